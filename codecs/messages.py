@@ -1,0 +1,400 @@
+"""Domain messages: the frozen, slotted dataclasses the rest of ddpbus passes around.
+
+Nothing here knows a wire format; :mod:`ddpbus.codecs.convert` maps each class to and from
+its protobuf twin. Field meanings follow flodl's cluster DDP (reference notes B.2-B.4).
+Integers that are unsigned on the wire (ranks, steps, offsets) must be in ``[0, 2**64)``;
+the converter refuses anything else with :class:`~ddpbus.codecs.errors.EncodeError`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+U64_MAX = 2**64 - 1
+"""Reserved ``target_rank`` (controller-as-checkpointer/evaluator); refused on the wire."""
+
+NCCL_ID_BYTES = 128
+"""Length of a communicator session id (NCCL's unique id size)."""
+
+MODEL_SIGNATURE_BYTES = 32
+
+
+class SaveReason(enum.IntEnum):
+    """Why ranks save and exit (flodl's wire byte values)."""
+
+    GRACEFUL_SHUTDOWN = 0
+    MAX_FAILURE_EXCEEDED = 1
+    SINGLE_SURVIVOR = 2
+    ALL_RANKS_LOST = 3
+    REDUCE_STALL = 4
+    CHECKPOINT = 5
+
+
+class IntentKind(enum.Enum):
+    EVAL_NOW = "eval_now"
+    CHECKPOINT_NOW = "checkpoint_now"
+
+
+# --------------------------------------------------------------------- structures
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EpochPlan:
+    """The slice ``[partition_offset, partition_offset + partition_size)`` of an epoch."""
+
+    epoch: int
+    partition_offset: int
+    partition_size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScalarSum:
+    sum: float
+    count: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResourceSample:
+    cpu_percent: float
+    ram_used_bytes: int
+    ram_total_bytes: int
+    gpu_util_percent: float | None = None
+    vram_total_bytes: int | None = None
+    vram_allocated_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetricsMsg:
+    """One executed plan/chunk's metrics, rank -> coordinator."""
+
+    rank: int
+    epoch: int
+    avg_loss: float
+    batches_processed: int
+    epoch_ms: float
+    samples_processed: int
+    share_complete_ms: float = 0.0
+    compute_only_ms: float = 0.0
+    data_starve_ms: float = 0.0
+    scalars: Mapping[str, ScalarSum] = field(default_factory=dict)
+    resources: ResourceSample | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EpochMetrics:
+    """The coordinator's aggregate of one epoch (per-rank tuples indexed by rank)."""
+
+    epoch: int
+    avg_loss: float
+    epoch_ms: float
+    scalars: Mapping[str, float] = field(default_factory=dict)
+    per_rank: tuple[Mapping[str, float], ...] = ()
+    per_rank_throughput: tuple[float, ...] = ()
+    per_rank_batch_share: tuple[float, ...] = ()
+    per_rank_share_complete_ms: tuple[float, ...] = ()
+    per_rank_compute_only_ms: tuple[float, ...] = ()
+    per_rank_data_starve_ms: tuple[float, ...] = ()
+    device_indices: tuple[int, ...] = ()  # CUDA index per rank, -1 for CPU
+    per_rank_loss: tuple[float, ...] = ()  # empty when unknown
+    per_rank_samples: tuple[int, ...] = ()
+
+
+# ------------------------------------------------------------ timing: rank -> coord
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Batch:
+    rank: int
+    batch_ms: float
+    data_ms: float
+    step_count: int
+    param_norm: float | None = None
+    batch_loss: float | None = None
+    sync_divergence: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncAck:
+    rank: int
+    step_count: int
+    divergence: float
+    post_norm: float | None = None
+    pre_norm: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Exiting:
+    rank: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LrUpdate:
+    rank: int
+    lr: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Heartbeat:
+    rank: int
+    step_count: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Intent:
+    rank: int
+    kind: IntentKind
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SnapshotReady:
+    rank: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NewNcclIdGenerated:
+    rank: int
+    uid_bytes: bytes  # NCCL_ID_BYTES long
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EvalResult:
+    rank: int
+    schedule_id: int
+    epoch: int
+    metric: float
+    elapsed_ms: float
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointResult:
+    rank: int
+    version: int
+    elapsed_ms: float
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EpochFnElapsed:
+    rank: int
+    epoch: int
+    elapsed_ms: float
+
+
+TimingMsg = (
+    Batch
+    | SyncAck
+    | Exiting
+    | LrUpdate
+    | Heartbeat
+    | Intent
+    | SnapshotReady
+    | NewNcclIdGenerated
+    | EvalResult
+    | CheckpointResult
+    | EpochFnElapsed
+)
+
+
+# ----------------------------------------------------------- control: coord -> rank
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestParams:
+    """Broker-path reduce trigger: snapshot parameters and ship them."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Update:
+    """Broker-path average complete (tensors arrive on the data subjects)."""
+
+    version: int
+    next_plan: EpochPlan | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncNow:
+    """NCCL/gloo reduce trigger: average in place now, then SyncAck."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StartEpoch:
+    plan: EpochPlan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExtendPartition:
+    partition_offset: int
+    partition_size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeclareDead:
+    rank: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NewNcclSession:
+    uid_bytes: bytes  # NCCL_ID_BYTES long
+    new_rank: int
+    new_world_size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestNewNcclId:
+    """Sent to the one survivor elected to mint a new communicator session id."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Span:
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Segment:
+    epoch: int
+    spans: tuple[Span, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageAdvisory:
+    counts: tuple[int, ...] = ()
+    segments: tuple[Segment, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Throttle:
+    """Broker path: stop training until SyncNow, Update or Shutdown arrives."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SetGlobalStep:
+    global_step: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Checkpoint:
+    version: int
+    target_rank: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExecuteEvalCallback:
+    schedule_id: int
+    epoch: int
+    target_rank: int
+    adopt_consensus: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SetEpochCallbackRole:
+    rank: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shutdown:
+    """Leave the training loop; the last average has settled everywhere."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShutdownWithSave:
+    reason: SaveReason
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EpochAggregated:
+    metrics: EpochMetrics
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EvalBroadcast:
+    epoch: int
+    metric: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SaveConsensusModel:
+    target_rank: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordHeartbeat:
+    """Coordinator liveness beacon; resets the worker's coordinator deadline."""
+
+
+ControlMsg = (
+    RequestParams
+    | Update
+    | SyncNow
+    | StartEpoch
+    | ExtendPartition
+    | DeclareDead
+    | NewNcclSession
+    | RequestNewNcclId
+    | StageAdvisory
+    | Throttle
+    | SetGlobalStep
+    | Checkpoint
+    | ExecuteEvalCallback
+    | SetEpochCallbackRole
+    | Shutdown
+    | ShutdownWithSave
+    | EpochAggregated
+    | EvalBroadcast
+    | SaveConsensusModel
+    | CoordHeartbeat
+)
+
+
+# -------------------------------------------------------------------- membership
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hello:
+    """A rank's first announcement: who it is and what it runs."""
+
+    rank: int
+    generation: int
+    host: str
+    device: str
+    model_signature: bytes  # MODEL_SIGNATURE_BYTES long
+    world_size: int
+    pid: int = 0
+    backend: str = ""
+    torch_version: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rejoin:
+    """A restarted rank resuming from the stream (generation above its old incarnation's)."""
+
+    hello: Hello
+    resume_stream_seq: int
+    checkpoint_version: int = 0
+
+
+JoinMsg = Hello | Rejoin
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Accept:
+    rank: int
+    generation: int
+    world_size: int
+    coordinator_generation: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reject:
+    rank: int
+    generation: int
+    reason: str
+
+
+AdmitMsg = Accept | Reject
+
+Message = TimingMsg | ControlMsg | MetricsMsg | JoinMsg | AdmitMsg
+"""Everything that travels as one envelope on a ddpbus subject (tensor frames aside)."""

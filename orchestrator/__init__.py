@@ -1,0 +1,4 @@
+"""ddpbus.orchestrator: the coordinator side (schedule, membership, recovery) and the CLI.
+
+Never touches tensors and never imports torch.distributed.
+"""

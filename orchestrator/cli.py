@@ -1,0 +1,202 @@
+"""The ``ddpbus`` command line.
+
+Settings come from flags, then ``DDPBUS_*`` environment variables, then defaults; an
+unknown ``DDPBUS_*`` variable or a bad value is refused before anything starts (exit 2).
+This is the only module that reads ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from ddpbus.codecs import subjects as sj
+from ddpbus.codecs.errors import ConfigError, DdpbusError
+from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
+
+log = logging.getLogger("ddpbus.cli")
+
+# flag dest -> environment variable, per subcommand
+ENV_VARS: dict[str, dict[str, str]] = {
+    "broker": {
+        "host": "DDPBUS_BROKER_HOST",
+        "port": "DDPBUS_BROKER_PORT",
+        "store": "DDPBUS_BROKER_STORE",
+        "config": "DDPBUS_BROKER_CONFIG",
+        "max_payload": "DDPBUS_BROKER_MAX_PAYLOAD",
+        "monitor_port": "DDPBUS_BROKER_MONITOR_PORT",
+    },
+    "init-job": {
+        "job": "DDPBUS_JOB",
+        "nats": "DDPBUS_NATS_URL",
+        "world_size": "DDPBUS_WORLD_SIZE",
+    },
+}
+GLOBAL_ENV = {"DDPBUS_LOG_LEVEL"}
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0-65535; 0 = any free port)")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _job(text: str) -> str:
+    try:
+        return sj.check_job(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddpbus", description="Data-parallel PyTorch training orchestrated over NATS.")
+    parser.add_argument("--log-level", default=None,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="log level (env DDPBUS_LOG_LEVEL; default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    broker = sub.add_parser("broker", help="run the embedded nats-server with JetStream",
+                            description="Run the nats-server shipped with ddpbus, with "
+                            "JetStream; prints its URL, stops cleanly on SIGINT/SIGTERM.")
+    broker.add_argument("--host", help="listen address (default 127.0.0.1)")
+    broker.add_argument("--port", type=_port, help="client port; 0 picks a free one (default)")
+    broker.add_argument("--store", type=Path, help="JetStream store directory "
+                        "(default: a temporary directory removed on exit)")
+    broker.add_argument("--config", type=Path, help="extra nats-server config file, included "
+                        "after ddpbus's settings")
+    broker.add_argument("--max-payload", type=_positive, help="server max_payload in bytes "
+                        "(default 8 MiB)")
+    broker.add_argument("--monitor-port", type=_port, help="HTTP monitoring port (0 = free)")
+
+    init = sub.add_parser("init-job", help="create a job's stream, KV bucket and consumers",
+                          description="Create (or update) the JetStream stream, KV bucket "
+                          "and durable consumers of one job, per subjects.md. Idempotent.")
+    init.add_argument("--job", type=_job, help="job name (env DDPBUS_JOB)")
+    init.add_argument("--nats", help="NATS URL (env DDPBUS_NATS_URL)")
+    init.add_argument("--world-size", type=_positive, help="number of ranks "
+                      "(env DDPBUS_WORLD_SIZE)")
+    return parser
+
+
+def merge_env(parser: argparse.ArgumentParser, args: argparse.Namespace,
+              environ: Mapping[str, str]) -> argparse.Namespace:
+    """Fill unset flags from ``DDPBUS_*`` variables; refuse unknown ones."""
+    known = GLOBAL_ENV | {v for table in ENV_VARS.values() for v in table.values()}
+    unknown = sorted(k for k in environ if k.startswith("DDPBUS_") and k not in known)
+    if unknown:
+        parser.error(f"unknown environment variable(s) {', '.join(unknown)}; "
+                     f"known: {', '.join(sorted(known))}")
+    if args.log_level is None:
+        args.log_level = environ.get("DDPBUS_LOG_LEVEL", "INFO").upper()
+    converters: dict[str, Callable[[str], Any]] = {
+        "port": _port, "monitor_port": _port, "max_payload": _positive, "world_size": _positive,
+        "store": Path, "config": Path, "job": _job,
+    }
+    for dest, var in ENV_VARS.get(args.command, {}).items():
+        if getattr(args, dest, None) is None and var in environ:
+            try:
+                setattr(args, dest, converters.get(dest, str)(environ[var]))
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                parser.error(f"{var}={environ[var]!r}: {exc}")
+    return args
+
+
+def _wait_for_signal() -> int:
+    """Block until SIGINT or SIGTERM; return the signal number."""
+    got = threading.Event()
+    which: list[int] = []
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        which.append(signum)
+        got.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+    got.wait()
+    return which[0]
+
+
+def run_broker(args: argparse.Namespace) -> int:
+    config = BrokerConfig(
+        host=args.host or "127.0.0.1",
+        port=args.port if args.port is not None else 0,
+        store_dir=args.store,
+        config_file=args.config,
+        max_payload=args.max_payload or BrokerConfig.max_payload,
+        monitor_port=args.monitor_port,
+    )
+    broker = EmbeddedBroker(config)
+    broker.start()
+    try:
+        sys.stdout.write(broker.url + "\n")
+        sys.stdout.flush()
+        log.info("nats-server %s ready at %s (store %s, log %s)", broker.binary, broker.url,
+                 broker.store_dir, broker.log_path)
+        signum = _wait_for_signal()
+        log.info("received %s; stopping nats-server", signal.Signals(signum).name)
+    finally:
+        rc = broker.stop()
+    if rc not in (0, None, -signal.SIGTERM):
+        log.error("nats-server exited with status %s", rc)
+        return 1
+    return 0
+
+
+async def _init_job(url: str, job: str, world_size: int) -> str:
+    from ddpbus.orchestrator.bus import connect
+    from ddpbus.orchestrator.provision import ensure_job
+
+    nc = await connect(url, name=f"ddpbus-init-{job}")
+    try:
+        res = await ensure_job(nc.jetstream(), job, world_size)
+    finally:
+        await nc.close()
+    return (f"stream {res.stream}, bucket {res.bucket}, consumers "
+            f"{', '.join(res.consumers)}")
+
+
+def run_init_job(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    missing = [flag for flag, value in (("--job", args.job), ("--nats", args.nats),
+                                        ("--world-size", args.world_size)) if value is None]
+    if missing:
+        parser.error(f"init-job needs {', '.join(missing)} (or their DDPBUS_* variables)")
+    sys.stdout.write(asyncio.run(_init_job(args.nats, args.job, args.world_size)) + "\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    parser = build_parser()
+    args = merge_env(parser, parser.parse_args(argv), os.environ if environ is None else environ)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "broker":
+            return run_broker(args)
+        return run_init_job(parser, args)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    except DdpbusError as exc:
+        log.error("%s", exc)  # noqa: TRY400 - a known failure, said in one line
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

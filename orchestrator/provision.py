@@ -1,0 +1,125 @@
+"""Create a job's JetStream resources per subjects.md: one function, idempotent.
+
+The stream captures every ``stream`` subject of the job; the KV bucket holds membership,
+coordinator snapshots, the leader lease and the torch.distributed rendezvous; the durable
+consumers are ``coordinator`` (timing, metrics, join) and ``rank-<N>`` (its control and admit
+subjects plus control.all, delivered together in stream order).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+    StreamInfo,
+)
+from nats.js.client import JetStreamContext
+from nats.js.errors import BucketNotFoundError, NotFoundError
+
+from ddpbus.codecs import subjects as sj
+from ddpbus.codecs.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobStorage:
+    """Retention and sizing of one job's stream and bucket."""
+
+    max_age: timedelta = field(default=timedelta(days=7))
+    max_bytes: int = -1  # unlimited
+    max_msg_size: int = 1024 * 1024
+    replicas: int = 1
+    ack_wait: timedelta = field(default=timedelta(seconds=10))
+
+    def __post_init__(self) -> None:
+        if self.max_age <= timedelta(0):
+            raise ConfigError("stream max_age must be positive")
+        if self.replicas not in (1, 3, 5):
+            raise ConfigError(f"replicas must be 1, 3 or 5, got {self.replicas}")
+
+
+@dataclass(frozen=True, slots=True)
+class JobResources:
+    stream: str
+    bucket: str
+    consumers: tuple[str, ...]
+
+
+def stream_config(job: str, storage: JobStorage) -> StreamConfig:
+    return StreamConfig(
+        name=sj.stream_name(job),
+        subjects=sj.stream_subjects(job),
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_age=storage.max_age.total_seconds(),
+        max_bytes=storage.max_bytes,
+        max_msg_size=storage.max_msg_size,
+        duplicate_window=sj.DUPLICATE_WINDOW.total_seconds(),
+        allow_direct=True,
+        num_replicas=storage.replicas,
+    )
+
+
+def consumer_configs(job: str, world_size: int, storage: JobStorage) -> list[ConsumerConfig]:
+    def durable(name: str, filters: list[str]) -> ConsumerConfig:
+        return ConsumerConfig(durable_name=name, filter_subjects=filters,
+                              ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
+                              ack_wait=storage.ack_wait.total_seconds(), max_ack_pending=10_000)
+
+    configs = [durable(sj.COORDINATOR_CONSUMER, sj.coordinator_filters(job))]
+    configs += [durable(sj.rank_consumer(r), sj.rank_filters(job, r)) for r in range(world_size)]
+    return configs
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
+    try:
+        info = await js.stream_info(config.name or "")
+    except NotFoundError:
+        log.info("creating stream %s", config.name)
+        return await js.add_stream(config)
+    if sorted(info.config.subjects or []) != sorted(config.subjects or []) or (
+        info.config.max_age != config.max_age or info.config.max_bytes != config.max_bytes
+        or info.config.max_msg_size != config.max_msg_size
+    ):
+        log.info("updating stream %s to the current layout", config.name)
+        return await js.update_stream(config)
+    return info
+
+
+async def ensure_job(js: JetStreamContext, job: str, world_size: int,
+                     storage: JobStorage | None = None) -> JobResources:
+    """Create or update the job's stream, KV bucket and durable consumers.
+
+    Safe to call any number of times, from any process: existing resources with the
+    same layout are left alone; a larger ``world_size`` adds the missing rank consumers.
+    """
+    sj.check_job(job)
+    if world_size < 1:
+        raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    storage = storage or JobStorage()
+    config = stream_config(job, storage)
+    await _ensure_stream(js, config)
+    bucket = sj.kv_bucket(job)
+    try:
+        await js.key_value(bucket)
+    except BucketNotFoundError:
+        log.info("creating KV bucket %s", bucket)
+        await js.create_key_value(KeyValueConfig(
+            bucket=bucket, history=5, storage=StorageType.FILE, replicas=storage.replicas))
+    names = []
+    for consumer in consumer_configs(job, world_size, storage):
+        await js.add_consumer(config.name or "", consumer)  # creates, or updates in place
+        names.append(consumer.durable_name or "")
+    return JobResources(stream=config.name or "", bucket=bucket, consumers=tuple(names))

@@ -1,0 +1,125 @@
+"""The embedded broker and `ddpbus broker`, as real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpbus.orchestrator.broker import BrokerConfig, BrokerError, EmbeddedBroker
+from ddpbus.orchestrator.bus import BusUnavailable, connect
+
+CLI = [sys.executable, "-m", "ddpbus.orchestrator.cli"]
+
+
+def test_port_zero_picks_a_free_port_and_reads_it_back(tmp_path: Path) -> None:
+    with EmbeddedBroker(BrokerConfig(store_dir=tmp_path / "a")) as a, \
+         EmbeddedBroker(BrokerConfig(store_dir=tmp_path / "b")) as b:
+        assert a.port not in (0, 4222)
+        assert a.port != b.port
+        assert a.url == f"nats://127.0.0.1:{a.port}"
+
+
+async def test_jetstream_is_on_and_the_store_survives_a_restart(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with EmbeddedBroker(BrokerConfig(store_dir=store)) as b:
+        nc = await connect(b.url, name="t")
+        js = nc.jetstream()
+        await js.add_stream(name="KEEP", subjects=["keep.>"])
+        await js.publish("keep.one", b"payload")
+        assert nc.max_payload == 8 * 1024 * 1024
+        await nc.close()
+    with EmbeddedBroker(BrokerConfig(store_dir=store)) as b:
+        nc = await connect(b.url, name="t")
+        msg = await nc.jetstream().get_msg("KEEP", 1)
+        assert msg.data == b"payload"
+        await nc.close()
+
+
+def test_a_bad_server_config_fails_loudly(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.conf"
+    bad.write_text("this is { not valid\n")
+    broker = EmbeddedBroker(BrokerConfig(config_file=bad, store_dir=tmp_path / "s"))
+    with pytest.raises(BrokerError, match="exited"):
+        broker.start()
+    assert broker.process is None
+
+
+def test_user_config_is_included(tmp_path: Path) -> None:
+    conf = tmp_path / "extra.conf"
+    conf.write_text("max_connections: 7\n")
+    with EmbeddedBroker(BrokerConfig(config_file=conf, store_dir=tmp_path / "s",
+                                     monitor_port=0)) as b:
+        import json
+        import urllib.request
+        with urllib.request.urlopen(b.monitor_url + "/varz", timeout=5) as r:  # noqa: S310
+            varz = json.load(r)
+        assert varz["max_connections"] == 7
+        assert varz["max_payload"] == 8 * 1024 * 1024
+
+
+@pytest.mark.parametrize(("kwargs", "text"), [
+    ({"port": 70000}, "port"), ({"max_payload": 10}, "max_payload"),
+    ({"config_file": Path("/nonexistent.conf")}, "does not exist"),
+])
+def test_bad_broker_settings_are_refused(kwargs: dict[str, object], text: str) -> None:
+    from ddpbus.codecs.errors import ConfigError
+    with pytest.raises(ConfigError, match=text):
+        BrokerConfig(**kwargs)  # type: ignore[arg-type]
+
+
+async def test_connect_to_nothing_fails_within_its_deadline() -> None:
+    from datetime import timedelta
+    with pytest.raises(BusUnavailable):
+        await connect("nats://127.0.0.1:1", name="t", deadline=timedelta(seconds=0.5))
+
+
+def _start_cli(tmp_path: Path) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([*CLI, "broker", "--port", "0", "--store", str(tmp_path / "st")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    url = proc.stdout.readline().strip()
+    assert url.startswith("nats://127.0.0.1:"), proc.stderr.read() if proc.stderr else ""
+    return proc, url
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_cli_broker_prints_url_serves_and_stops_cleanly(tmp_path: Path, sig: int) -> None:
+    proc, url = _start_cli(tmp_path)
+    try:
+        async def ping() -> None:
+            nc = await connect(url, name="t")
+            await nc.jetstream().account_info()
+            await nc.close()
+        asyncio.run(ping())
+        os.kill(proc.pid, sig)
+        assert proc.wait(timeout=20) == 0
+        assert (tmp_path / "st" / "jetstream").is_dir()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+@pytest.mark.parametrize(("argv", "env", "text"), [
+    (["broker", "--port", "70000"], {}, "is not a port"),
+    (["broker", "--bogus"], {}, "unrecognized arguments"),
+    (["broker"], {"DDPBUS_NO_SUCH": "1"}, "unknown environment variable"),
+    (["broker"], {"DDPBUS_BROKER_PORT": "x"}, "DDPBUS_BROKER_PORT"),
+    (["init-job", "--job", "bad job"], {}, "job name"),
+    (["init-job", "--job", "j"], {}, "needs --nats, --world-size"),
+])
+def test_cli_refuses_bad_flags_and_env(argv: list[str], env: dict[str, str], text: str) -> None:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
+    out = subprocess.run([*CLI, *argv], capture_output=True, text=True, env={**clean, **env},
+                         timeout=60, check=False)
+    assert out.returncode == 2
+    assert text in out.stderr
