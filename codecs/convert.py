@@ -163,17 +163,22 @@ def epoch_metrics_from_wire(w: pb.EpochMetrics) -> m.EpochMetrics:
 
 
 def _batch_to_wire(x: m.Batch) -> pb.TimingMsg:
-    return _T(
-        batch=_T.Batch(
-            rank=x.rank,
-            batch_ms=x.batch_ms,
-            data_ms=x.data_ms,
-            step_count=x.step_count,
-            param_norm=x.param_norm,
-            batch_loss=x.batch_loss,
-            sync_divergence=x.sync_divergence,
-        )
-    )
+    # The hottest message (one per training batch per rank): filled in place, which is
+    # twice as fast as building the sub-message and copying it into the oneof.
+    wire = _T()
+    b = wire.batch
+    b.SetInParent()  # selects the variant even when every field is a default
+    b.rank = x.rank
+    b.batch_ms = x.batch_ms
+    b.data_ms = x.data_ms
+    b.step_count = x.step_count
+    if x.param_norm is not None:
+        b.param_norm = x.param_norm
+    if x.batch_loss is not None:
+        b.batch_loss = x.batch_loss
+    if x.sync_divergence is not None:
+        b.sync_divergence = x.sync_divergence
+    return wire
 
 
 def _batch_from_wire(w: Any) -> m.Batch:
@@ -648,10 +653,6 @@ class Variant:
     to_wire: Callable[[Any], PbMessage]
     from_wire: Callable[[Any], Any]
 
-    def extract(self, wire: Any) -> Any:
-        """The variant's sub-message inside a parsed family message."""
-        return wire if self.field is None else getattr(wire, self.field)
-
 
 def _v(family: type[PbMessage], field: str | None, cls: type[Any],
        to_wire: Callable[[Any], PbMessage], from_wire: Callable[[Any], Any]) -> Variant:
@@ -732,15 +733,18 @@ def from_wire(variant: Variant, wire: PbMessage) -> m.Message:
     Raises :class:`MalformedPayload` when the payload holds another variant than the header
     names and :class:`InvalidField` when it breaks a protocol rule.
     """
-    if variant.field is not None:
+    field = variant.field
+    if field is None:
+        result: m.Message = variant.from_wire(wire)
+        return result
+    if not wire.HasField(field):
         held = wire.WhichOneof("variant")
-        if held != variant.field:
-            raise MalformedPayload(
-                f"payload holds {held or 'no variant'}, header says {variant.type_name}",
-                msg_type=variant.type_name,
-            )
-    result: m.Message = variant.from_wire(variant.extract(wire))
-    return result
+        raise MalformedPayload(
+            f"payload holds {held or 'no variant'}, header says {variant.type_name}",
+            msg_type=variant.type_name,
+        )
+    inner: m.Message = variant.from_wire(getattr(wire, field))
+    return inner
 
 
 def inner_dispatch(msg: m.ControlMsg) -> m.ControlMsg | None:

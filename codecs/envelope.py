@@ -6,16 +6,16 @@
 network: the bus layer hands in the subject, the header mapping and the payload bytes
 (NATS message parsing stays apart from payload decoding).
 
-Signature: ``Ddpbus-Sig`` is the hex HMAC-SHA256, keyed by the job key, over the
-length-prefixed fields ``subject, type, generation, Nats-Msg-Id, Content-Type, payload``
-(the id and content type are covered too, so neither can be swapped on a captured message).
+Signature: ``Ddpbus-Sig`` is the hex HMAC-SHA256, keyed by the job key, over
+``subject \n type \n generation \n Nats-Msg-Id \n Content-Type \n len(payload) \n payload``
+(none of those fields can hold a newline, so the framing is unambiguous; the id and content
+type are covered too, so neither can be swapped on a captured message).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Final
@@ -51,31 +51,42 @@ DEFAULT_FRAME_CAP: Final = 8 * 1024 * 1024 - 8 * 1024
 """Largest tensor-frame payload; the bus lowers it to the server's announced max_payload."""
 
 MIN_KEY_BYTES: Final = 16
-_LEN = struct.Struct(">I")
+_HEAD_LINES: Final = 6
 
 #: The message families whose ``rank`` field must equal the subject's rank token.
 _RANKED_FAMILIES: Final = frozenset({"TimingMsg", "MetricsMsg", "JoinMsg", "AdmitMsg"})
 
 
 class Signer:
-    """HMAC-SHA256 with the job key over the envelope fields (see module doc)."""
+    """HMAC-SHA256 with the job key over the envelope fields (see module doc).
 
-    __slots__ = ("_base",)
+    RFC 2104 HMAC computed from pre-keyed inner and outer SHA-256 states that are copied
+    per message: the same digest as ``hmac.new(key, data, "sha256")`` at a third of the
+    cost for small messages (tests/unit check the equality).
+    """
+
+    __slots__ = ("_inner", "_outer")
 
     def __init__(self, key: bytes) -> None:
         if len(key) < MIN_KEY_BYTES:
             raise EncodeError(f"the job key must be at least {MIN_KEY_BYTES} bytes")
-        self._base = hmac.new(key, digestmod=hashlib.sha256)
+        block = hashlib.sha256().block_size
+        padded = (hashlib.sha256(key).digest() if len(key) > block else key).ljust(block, b"\0")
+        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in padded))
+        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in padded))
 
     def sign(self, subject: str, msg_type: str, generation: str, msg_id: str,
              content_type: str, payload: bytes | memoryview) -> str:
-        h = self._base.copy()
-        head = b"".join(_LEN.pack(len(p)) + p for p in (
-            subject.encode(), msg_type.encode(), generation.encode(), msg_id.encode(),
-            content_type.encode()))
-        h.update(head + _LEN.pack(len(payload)))
-        h.update(payload)
-        return h.hexdigest()
+        head = f"{subject}\n{msg_type}\n{generation}\n{msg_id}\n{content_type}\n{len(payload)}\n"
+        if head.count("\n") != _HEAD_LINES:
+            # NATS subjects and header values never hold a newline; refuse to sign one
+            raise BadSignature("an envelope field contains a newline", subject=subject)
+        inner = self._inner.copy()
+        inner.update(head.encode())
+        inner.update(payload)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ contract test parses that file's tables and checks both directions against these
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import lru_cache
 from typing import Final
@@ -36,15 +36,13 @@ class SubjectSpec:
     message: str  # a type family ("ControlMsg") or one type ("TimingMsg.Heartbeat")
     storage: str  # "stream" (JetStream, job stream) or "core" (never stored)
     consumer: str  # who reads it, and how
+    kind: str = field(init=False)  # "control.rank", "live.coordinator": no prefix, job, rank
+    per_rank: bool = field(init=False)
 
-    @property
-    def kind(self) -> str:
-        """The template without prefix, job and rank: ``control.rank``, ``live.coordinator``."""
-        return ".".join(t for t in self.template.split(".")[2:] if t != "<N>")
-
-    @property
-    def per_rank(self) -> bool:
-        return self.template.endswith(".<N>")
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", ".".join(
+            t for t in self.template.split(".")[2:] if t != "<N>"))
+        object.__setattr__(self, "per_rank", self.template.endswith(".<N>"))
 
     def allows(self, msg_type: str) -> bool:
         return msg_type == self.message or msg_type.startswith(self.message + ".")
@@ -186,13 +184,12 @@ class ParsedSubject:
     spec: SubjectSpec
     token: str  # the last token: the rank as text, "all" or "coordinator"
     rank: int | None
+    sender: str = field(init=False)
+    """Whose generation fences this message: ``coordinator``, ``reducer`` or ``rank-N``."""
 
-    @property
-    def sender(self) -> str:
-        """Whose generation fences this message: ``coordinator``, ``reducer`` or ``rank-N``."""
-        if self.spec.sender == "rank":
-            return f"rank-{self.rank}"
-        return self.spec.sender
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sender", f"rank-{self.rank}" if self.spec.sender == "rank"
+                           else self.spec.sender)
 
 
 _RANK_TOKEN: Final = re.compile(r"0|[1-9][0-9]{0,19}")

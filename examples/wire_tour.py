@@ -14,7 +14,7 @@ import hashlib
 import secrets
 import sys
 
-from ddpbus.codecs import Decoder, DecodeError, Encoder
+from ddpbus.codecs import DecodeError, Decoder, Encoder
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.orchestrator.broker import EmbeddedBroker

@@ -1,0 +1,202 @@
+"""torch.distributed rendezvous through the job's NATS KV bucket (no extra port).
+
+:class:`NatsKVStore` is a ``torch.distributed.Store``: ``init_process_group(store=...)``
+exchanges addresses (and NCCL's unique id) through KV keys instead of a TCPStore. Each
+communicator session uses its own key prefix (``PrefixStore``), so a rebuilt group after a
+shrink never reads the keys of the old one.
+
+torch calls the store synchronously from its own threads; the store therefore runs its own
+NATS connection on a private event-loop thread and never touches the agent's loop, which
+keeps handling control messages while a collective blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from nats.js.errors import (
+    KeyDeletedError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NoKeysError,
+)
+from nats.js.kv import KeyValue
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+from torch._C._distributed_c10d import Store  # = torch.distributed.Store, typed
+
+from ddpbus.codecs.errors import DdpbusError
+from ddpbus.orchestrator.bus import connect
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+KEY_PREFIX = "td."
+"""KV keys of the rendezvous: ``td.<base64url(torch key)>`` (torch keys may hold any text)."""
+
+
+class StoreTimeout(DdpbusError, TimeoutError):
+    """A rendezvous key did not appear within the store's timeout."""
+
+
+class _Absent(Exception):
+    """Internal: the key is not (or no longer) in the bucket."""
+
+
+def kv_key(key: str) -> str:
+    return KEY_PREFIX + base64.urlsafe_b64encode(key.encode()).decode().rstrip("=")
+
+
+class NatsKVStore(Store):
+    """A ``torch.distributed.Store`` backed by a NATS JetStream KV bucket."""
+
+    def __init__(self, url: str, bucket: str, *,
+                 timeout: timedelta = timedelta(seconds=300), name: str = "ddpbus-store"
+                 ) -> None:
+        super().__init__()
+        self._op_timeout = timeout  # Store.timeout has no setter; keep our own
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+        self._kv: KeyValue | None = None
+        self._nc: Any = None
+        self._call(self._open(url, bucket, name))
+
+    async def _open(self, url: str, bucket: str, name: str) -> None:
+        self._nc = await connect(url, name=name)
+        self._kv = await self._nc.jetstream().key_value(bucket)
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        wait = (timeout if timeout is not None else self._op_timeout.total_seconds()) + 5.0
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(wait)
+
+    @property
+    def kv(self) -> KeyValue:
+        if self._kv is None:
+            raise DdpbusError("rendezvous store is closed")
+        return self._kv
+
+    async def _get(self, key: str) -> tuple[bytes, int]:
+        try:
+            entry = await self.kv.get(kv_key(key))
+        except (KeyNotFoundError, KeyDeletedError):
+            raise _Absent(key) from None
+        return entry.value or b"", entry.revision or 0
+
+    async def _retry(self, op: Callable[[], Awaitable[T]], limit_s: float,
+                     retry_on: tuple[type[BaseException], ...]) -> T:
+        async for attempt in AsyncRetrying(stop=stop_after_delay(limit_s),
+                                           wait=wait_exponential(multiplier=0.002, max=0.05),
+                                           retry=retry_if_exception_type(retry_on),
+                                           reraise=True):
+            with attempt:
+                return await op()
+        raise AssertionError("unreachable: tenacity reraises")  # pragma: no cover
+
+    # ---------------------------------------------------------------- Store API
+
+    def set(self, key: str, value: bytes | str) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self._call(self.kv.put(kv_key(key), data))
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self._call(self._get(key))[0]
+
+    def add(self, key: str, amount: int) -> int:
+        async def once() -> int:
+            try:
+                current, revision = await self._get(key)
+            except _Absent:
+                await self.kv.create(kv_key(key), str(amount).encode())
+                return amount
+            value = int(current or b"0") + amount
+            await self.kv.update(kv_key(key), str(value).encode(), last=revision)
+            return value
+
+        return self._call(self._retry(once, self._op_timeout.total_seconds(),
+                                      (KeyWrongLastSequenceError,)))
+
+    def compare_set(self, key: str, expected_value: bytes | str,
+                    desired_value: bytes | str) -> bytes:
+        expected = expected_value.encode() if isinstance(expected_value, str) else bytes(
+            expected_value)
+        desired = desired_value.encode() if isinstance(desired_value, str) else bytes(
+            desired_value)
+
+        async def once() -> bytes:
+            try:
+                current, revision = await self._get(key)
+            except _Absent:
+                if expected:
+                    return expected  # TCPStore semantics: nothing to compare against
+                await self.kv.create(kv_key(key), desired)
+                return desired
+            if current != expected:
+                return current
+            await self.kv.update(kv_key(key), desired, last=revision)
+            return desired
+
+        return self._call(self._retry(once, self._op_timeout.total_seconds(),
+                                      (KeyWrongLastSequenceError,)))
+
+    def check(self, keys: list[str]) -> bool:
+        async def all_present() -> bool:
+            for k in keys:
+                try:
+                    await self._get(k)
+                except _Absent:
+                    return False
+            return True
+
+        return self._call(all_present())
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        limit = (timeout or self._op_timeout).total_seconds()
+
+        async def present() -> None:
+            for k in keys:
+                await self._get(k)
+
+        try:
+            self._call(self._retry(present, limit, (_Absent,)), timeout=limit)
+        except _Absent as exc:
+            raise StoreTimeout(f"rendezvous key {exc.args[0]!r} did not appear within "
+                               f"{limit:.1f}s") from None
+
+    def delete_key(self, key: str) -> bool:
+        async def delete() -> bool:
+            try:
+                await self._get(key)
+            except _Absent:
+                return False
+            await self.kv.delete(kv_key(key))
+            return True
+
+        return self._call(delete())
+
+    def num_keys(self) -> int:
+        async def count() -> int:
+            try:
+                keys = await self.kv.keys()
+            except NoKeysError:
+                return 0
+            return sum(1 for k in keys if k.startswith(KEY_PREFIX))
+
+        return self._call(count())
+
+    def close(self) -> None:
+        if self._nc is not None:
+            self._call(self._nc.close(), timeout=5)
+            self._nc = None
+            self._kv = None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        if not self._thread.is_alive():
+            self._loop.close()
