@@ -57,6 +57,10 @@ _HEAD_LINES: Final = 6
 _RANKED_FAMILIES: Final = frozenset({"TimingMsg", "MetricsMsg", "JoinMsg", "AdmitMsg"})
 
 
+def _nbytes(payload: bytes | memoryview) -> int:
+    return payload.nbytes if isinstance(payload, memoryview) else len(payload)
+
+
 class Signer:
     """HMAC-SHA256 with the job key over the envelope fields (see module doc).
 
@@ -77,7 +81,8 @@ class Signer:
 
     def sign(self, subject: str, msg_type: str, generation: str, msg_id: str,
              content_type: str, payload: bytes | memoryview) -> str:
-        head = f"{subject}\n{msg_type}\n{generation}\n{msg_id}\n{content_type}\n{len(payload)}\n"
+        head = (f"{subject}\n{msg_type}\n{generation}\n{msg_id}\n{content_type}\n"
+                f"{_nbytes(payload)}\n")
         if head.count("\n") != _HEAD_LINES:
             # NATS subjects and header values never hold a newline; refuse to sign one
             raise BadSignature("an envelope field contains a newline", subject=subject)
@@ -249,8 +254,9 @@ class Decoder:
         parsed = sj.parse_subject(subject, self.job)
         frames = parsed.spec.message == tensor.TYPE_NAME
         cap = self.max_frame_payload if frames else self.max_payload
-        if len(payload) > cap:
-            raise OversizeMessage(f"{len(payload)} bytes, cap {cap}", subject=subject)
+        size = _nbytes(payload)
+        if size > cap:
+            raise OversizeMessage(f"{size} bytes, cap {cap}", subject=subject)
         msg_type = _header(headers, sj.H_TYPE, subject)
         self._check_headers(parsed, headers, subject, msg_type)
         gen_text = _header(headers, sj.H_GEN, subject)
@@ -261,7 +267,7 @@ class Decoder:
         content_type = headers.get(sj.H_CONTENT_TYPE) or sj.CONTENT_PROTOBUF
         sig = headers.get(sj.H_SIG, "")
         expected = self._signer.sign(subject, msg_type, gen_text, msg_id, content_type, payload)
-        if not sig or not hmac.compare_digest(sig, expected):
+        if not sig or not sig.isascii() or not hmac.compare_digest(sig, expected):
             raise BadSignature("missing" if not sig else "does not verify with the job key",
                                subject=subject, msg_type=msg_type)
         generation = int(gen_text)

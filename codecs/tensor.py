@@ -154,6 +154,7 @@ class TensorAssembler:
         self.version, self.chunk_count = first.version, first.chunk_count
         self.buffer = bytearray(first.total_bytes)
         self._seen: set[int] = set()
+        self._spans: list[tuple[int, int]] = []  # byte ranges written so far
         self._received = 0
         self.add(first)
 
@@ -167,8 +168,12 @@ class TensorAssembler:
         if chunk.chunk_index in self._seen:
             raise InvalidField(f"tensor {self.name!r}: chunk {chunk.chunk_index} arrived twice",
                                msg_type=TYPE_NAME)
-        end = chunk.chunk_offset + chunk.data.nbytes
-        self.buffer[chunk.chunk_offset : end] = chunk.data
+        start, end = chunk.chunk_offset, chunk.chunk_offset + chunk.data.nbytes
+        if any(start < e and s < end for s, e in self._spans):
+            raise InvalidField(f"tensor {self.name!r}: chunk {chunk.chunk_index} overlaps "
+                               "bytes already received", msg_type=TYPE_NAME)
+        self._spans.append((start, end))
+        self.buffer[start:end] = chunk.data
         self._seen.add(chunk.chunk_index)
         self._received += chunk.data.nbytes
         if self.complete and self._received != len(self.buffer):

@@ -1459,7 +1459,7 @@ Global___AdmitMsg: _TypeAlias = AdmitMsg  # noqa: Y015
 @_typing.final
 class TensorFrameHeader(_message.Message):
     """----------------------------------------------------------------- data
-    Tensor frames: a varint-length-prefixed TensorFrameHeader followed by the
+    Tensor frames: a u32 little-endian length, this TensorFrameHeader, then the
     raw little-endian bytes of this chunk (no protobuf copy of the data).
     """
 
