@@ -181,15 +181,21 @@ def _batch_to_wire(x: m.Batch) -> pb.TimingMsg:
     return wire
 
 
+_make_batch = m.positional_maker(m.Batch)
+
+
 def _batch_from_wire(w: Any) -> m.Batch:
-    return m.Batch(
-        rank=w.rank,
-        batch_ms=w.batch_ms,
-        data_ms=w.data_ms,
-        step_count=w.step_count,
-        param_norm=w.param_norm if w.HasField("param_norm") else None,
-        batch_loss=w.batch_loss if w.HasField("batch_loss") else None,
-        sync_divergence=w.sync_divergence if w.HasField("sync_divergence") else None,
+    # positional, in Batch's field order: rank, batch_ms, data_ms, step_count, param_norm,
+    # batch_loss, sync_divergence (one per training batch per rank: the hot path)
+    has = w.HasField
+    return _make_batch(
+        w.rank,
+        w.batch_ms,
+        w.data_ms,
+        w.step_count,
+        w.param_norm if has("param_norm") else None,
+        w.batch_loss if has("batch_loss") else None,
+        w.sync_divergence if has("sync_divergence") else None,
     )
 
 

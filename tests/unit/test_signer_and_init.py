@@ -55,3 +55,15 @@ def test_fast_init_keeps_dataclass_semantics() -> None:
     assert dataclasses.replace(b, rank=7).rank == 7
     assert hash(m.EpochPlan(epoch=1, partition_offset=2, partition_size=3)) == hash(
         m.EpochPlan(epoch=1, partition_offset=2, partition_size=3))
+
+
+def test_positional_maker_builds_what_the_constructor_builds() -> None:
+    make = m.positional_maker(m.Batch)
+    made = make(1, 2.0, 0.5, 3, None, 0.25, float("inf"))
+    assert made == m.Batch(rank=1, batch_ms=2.0, data_ms=0.5, step_count=3, batch_loss=0.25,
+                           sync_divergence=float("inf"))
+    assert type(made) is m.Batch
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.rank = 2  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        make(1, 2.0)
