@@ -446,11 +446,12 @@ def _throttle_from_wire(_: Any) -> m.Throttle:
 
 
 def _global_step_to_wire(x: m.SetGlobalStep) -> pb.ControlMsg:
-    return _C(set_global_step=_C.SetGlobalStep(global_step=x.global_step))
+    return _C(set_global_step=_C.SetGlobalStep(global_step=x.global_step,
+                                               step_budget=x.step_budget))
 
 
 def _global_step_from_wire(w: Any) -> m.SetGlobalStep:
-    return m.SetGlobalStep(global_step=w.global_step)
+    return m.SetGlobalStep(global_step=w.global_step, step_budget=tuple(w.step_budget))
 
 
 def _checkpoint_to_wire(x: m.Checkpoint) -> pb.ControlMsg:
@@ -571,6 +572,7 @@ def _hello_wire(x: m.Hello) -> pb.JoinMsg.Hello:
         pid=x.pid,
         backend=x.backend,
         torch_version=x.torch_version,
+        dataset_size=x.dataset_size,
     )
 
 
@@ -590,6 +592,7 @@ def _hello_domain(w: Any) -> m.Hello:
         pid=w.pid,
         backend=w.backend,
         torch_version=w.torch_version,
+        dataset_size=w.dataset_size,
     )
 
 
@@ -617,6 +620,60 @@ def _rejoin_from_wire(w: Any) -> m.Rejoin:
     )
 
 
+_POLICY_TO_WIRE: Final = {
+    m.Policy.SYNC: pb.POLICY_SYNC,
+    m.Policy.CADENCE: pb.POLICY_CADENCE,
+    m.Policy.ASYNC: pb.POLICY_ASYNC,
+}
+_POLICY_FROM_WIRE: Final = {v: k for k, v in _POLICY_TO_WIRE.items()}
+_BACKEND_TO_WIRE: Final = {
+    m.Backend.AUTO: pb.BACKEND_AUTO,
+    m.Backend.NCCL: pb.BACKEND_NCCL,
+    m.Backend.GLOO: pb.BACKEND_GLOO,
+}
+_BACKEND_FROM_WIRE: Final = {v: k for k, v in _BACKEND_TO_WIRE.items()}
+
+
+def run_config_to_wire(x: m.RunConfig) -> pb.RunConfig:
+    return pb.RunConfig(
+        policy=_POLICY_TO_WIRE[x.policy],
+        backend=_BACKEND_TO_WIRE[x.backend],
+        batch_size=x.batch_size,
+        epochs=x.epochs,
+        seed=x.seed,
+        gamma=x.gamma,
+        lr_scale_ratio=x.lr_scale_ratio,
+        dataset_size=x.dataset_size,
+        param_norm_every=x.param_norm_every,
+        coordinator_timeout_s=x.coordinator_timeout_s,
+        progressive=x.progressive,
+    )
+
+
+def run_config_from_wire(w: pb.RunConfig) -> m.RunConfig:
+    policy = _POLICY_FROM_WIRE.get(w.policy)
+    backend = _BACKEND_FROM_WIRE.get(w.backend)
+    if policy is None or backend is None:
+        raise InvalidField(f"RunConfig policy={w.policy} backend={w.backend} is not a known "
+                           "pair", msg_type="RunConfig")
+    if w.batch_size < 1 or not w.coordinator_timeout_s > 0:
+        raise InvalidField("RunConfig needs batch_size >= 1 and coordinator_timeout_s > 0",
+                           msg_type="RunConfig")
+    return m.RunConfig(
+        policy=policy,
+        backend=backend,
+        batch_size=w.batch_size,
+        epochs=w.epochs,
+        seed=w.seed,
+        gamma=w.gamma,
+        lr_scale_ratio=w.lr_scale_ratio,
+        dataset_size=w.dataset_size,
+        param_norm_every=w.param_norm_every,
+        coordinator_timeout_s=w.coordinator_timeout_s,
+        progressive=w.progressive,
+    )
+
+
 def _accept_to_wire(x: m.Accept) -> pb.AdmitMsg:
     return _A(
         accept=_A.Accept(
@@ -624,16 +681,20 @@ def _accept_to_wire(x: m.Accept) -> pb.AdmitMsg:
             generation=x.generation,
             world_size=x.world_size,
             coordinator_generation=x.coordinator_generation,
+            run=run_config_to_wire(x.run),
         )
     )
 
 
 def _accept_from_wire(w: Any) -> m.Accept:
+    if not w.HasField("run"):
+        raise InvalidField("Accept.run is required", msg_type="Accept")
     return m.Accept(
         rank=w.rank,
         generation=w.generation,
         world_size=w.world_size,
         coordinator_generation=w.coordinator_generation,
+        run=run_config_from_wire(w.run),
     )
 
 

@@ -98,6 +98,24 @@ class IntentKind(enum.Enum):
     CHECKPOINT_NOW = "checkpoint_now"
 
 
+class Policy(enum.Enum):
+    """When a reduce fires (reference C.2): every step, on El Che's window, or on the window
+    with bounded lookahead."""
+
+    SYNC = "sync"
+    CADENCE = "cadence"
+    ASYNC = "async"
+
+
+class Backend(enum.Enum):
+    """How parameters are averaged. ``AUTO`` is resolved by each rank: NCCL with CUDA, else
+    gloo."""
+
+    AUTO = "auto"
+    NCCL = "nccl"
+    GLOO = "gloo"
+
+
 # --------------------------------------------------------------------- structures
 
 
@@ -362,7 +380,12 @@ class Throttle:
 @_fast_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SetGlobalStep:
+    """After every average (and when training starts): the LR schedule's global step, and
+    the window it opens: ``step_budget[r]`` optimizer steps for rank r before the next
+    SyncNow (empty: no limit)."""
+
     global_step: int
+    step_budget: tuple[int, ...] = ()
 
 
 @_fast_init
@@ -465,6 +488,7 @@ class Hello:
     pid: int = 0
     backend: str = ""
     torch_version: str = ""
+    dataset_size: int = 0
 
 
 @_fast_init
@@ -482,11 +506,30 @@ JoinMsg = Hello | Rejoin
 
 @_fast_init
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RunConfig:
+    """The coordinator's resolved run settings; every rank adopts them on Accept."""
+
+    policy: Policy
+    backend: Backend
+    batch_size: int
+    epochs: int
+    seed: int
+    gamma: float
+    lr_scale_ratio: float
+    dataset_size: int
+    param_norm_every: int = 10
+    coordinator_timeout_s: float = 30.0
+    progressive: bool = False
+
+
+@_fast_init
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Accept:
     rank: int
     generation: int
     world_size: int
     coordinator_generation: int
+    run: RunConfig
 
 
 @_fast_init

@@ -78,6 +78,54 @@ INTENT_KIND_EVAL_NOW: IntentKind.ValueType  # 1
 INTENT_KIND_CHECKPOINT_NOW: IntentKind.ValueType  # 2
 Global___IntentKind: _TypeAlias = IntentKind  # noqa: Y015
 
+class _Policy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Policy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    POLICY_UNSPECIFIED: _Policy.ValueType  # 0
+    """refused by the decoder"""
+    POLICY_SYNC: _Policy.ValueType  # 1
+    POLICY_CADENCE: _Policy.ValueType  # 2
+    POLICY_ASYNC: _Policy.ValueType  # 3
+
+class Policy(_Policy, metaclass=_PolicyEnumTypeWrapper):
+    """---------------------------------------------------------------- run
+    The coordinator's resolved settings, handed to every rank in AdmitMsg.Accept so a
+    cohort can never run with diverging hyper-parameters.
+    """
+
+POLICY_UNSPECIFIED: Policy.ValueType  # 0
+"""refused by the decoder"""
+POLICY_SYNC: Policy.ValueType  # 1
+POLICY_CADENCE: Policy.ValueType  # 2
+POLICY_ASYNC: Policy.ValueType  # 3
+Global___Policy: _TypeAlias = Policy  # noqa: Y015
+
+class _Backend:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _BackendEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Backend.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    BACKEND_UNSPECIFIED: _Backend.ValueType  # 0
+    """refused by the decoder"""
+    BACKEND_AUTO: _Backend.ValueType  # 1
+    """NCCL where the rank has CUDA, else gloo"""
+    BACKEND_NCCL: _Backend.ValueType  # 2
+    BACKEND_GLOO: _Backend.ValueType  # 3
+
+class Backend(_Backend, metaclass=_BackendEnumTypeWrapper): ...
+
+BACKEND_UNSPECIFIED: Backend.ValueType  # 0
+"""refused by the decoder"""
+BACKEND_AUTO: Backend.ValueType  # 1
+"""NCCL where the rank has CUDA, else gloo"""
+BACKEND_NCCL: Backend.ValueType  # 2
+BACKEND_GLOO: Backend.ValueType  # 3
+Global___Backend: _TypeAlias = Backend  # noqa: Y015
+
 @_typing.final
 class EpochPlan(_message.Message):
     """A slice [partition_offset, partition_offset + partition_size) of the
@@ -716,18 +764,30 @@ class ControlMsg(_message.Message):
 
     @_typing.final
     class SetGlobalStep(_message.Message):
+        """Sent after every average (and once when training starts): the global step
+        for the LR schedule, and the window this message opens.
+        """
+
         DESCRIPTOR: _descriptor.Descriptor
 
         GLOBAL_STEP_FIELD_NUMBER: _builtins.int
+        STEP_BUDGET_FIELD_NUMBER: _builtins.int
         global_step: _builtins.int
+        @_builtins.property
+        def step_budget(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+            """Per-rank step budget of the window that opens now (index = rank): how many
+            optimizer steps each rank may take before the next SyncNow. Empty = no limit.
+            """
+
         def __init__(
             self,
             *,
             global_step: _builtins.int = ...,
+            step_budget: _abc.Iterable[_builtins.int] | None = ...,
         ) -> None: ...
         _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["global_step", b"global_step"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["global_step", b"global_step", "step_budget", b"step_budget"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1273,6 +1333,61 @@ class EpochMetrics(_message.Message):
 Global___EpochMetrics: _TypeAlias = EpochMetrics  # noqa: Y015
 
 @_typing.final
+class RunConfig(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POLICY_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    EPOCHS_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    GAMMA_FIELD_NUMBER: _builtins.int
+    LR_SCALE_RATIO_FIELD_NUMBER: _builtins.int
+    DATASET_SIZE_FIELD_NUMBER: _builtins.int
+    PARAM_NORM_EVERY_FIELD_NUMBER: _builtins.int
+    COORDINATOR_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    PROGRESSIVE_FIELD_NUMBER: _builtins.int
+    policy: Global___Policy.ValueType
+    backend: Global___Backend.ValueType
+    batch_size: _builtins.int
+    epochs: _builtins.int
+    seed: _builtins.int
+    """permutation of epoch e: seed + e"""
+    gamma: _builtins.float
+    """averaging mass n^gamma"""
+    lr_scale_ratio: _builtins.float
+    """lr scale = 1 + (world - 1) * ratio"""
+    dataset_size: _builtins.int
+    param_norm_every: _builtins.int
+    """Batch.param_norm every N steps (0 = never)"""
+    coordinator_timeout_s: _builtins.float
+    """rank gives up after this much coordinator silence"""
+    progressive: _builtins.bool
+    """chunked dispatch (StartEpoch per window)"""
+    def __init__(
+        self,
+        *,
+        policy: Global___Policy.ValueType = ...,
+        backend: Global___Backend.ValueType = ...,
+        batch_size: _builtins.int = ...,
+        epochs: _builtins.int = ...,
+        seed: _builtins.int = ...,
+        gamma: _builtins.float = ...,
+        lr_scale_ratio: _builtins.float = ...,
+        dataset_size: _builtins.int = ...,
+        param_norm_every: _builtins.int = ...,
+        coordinator_timeout_s: _builtins.float = ...,
+        progressive: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "batch_size", b"batch_size", "coordinator_timeout_s", b"coordinator_timeout_s", "dataset_size", b"dataset_size", "epochs", b"epochs", "gamma", b"gamma", "lr_scale_ratio", b"lr_scale_ratio", "param_norm_every", b"param_norm_every", "policy", b"policy", "progressive", b"progressive", "seed", b"seed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunConfig: _TypeAlias = RunConfig  # noqa: Y015
+
+@_typing.final
 class JoinMsg(_message.Message):
     """------------------------------------------------------------ membership
     rank -> coordinator on join.rank.<N>; coordinator -> rank on admit.rank.<N>.
@@ -1295,6 +1410,7 @@ class JoinMsg(_message.Message):
         PID_FIELD_NUMBER: _builtins.int
         BACKEND_FIELD_NUMBER: _builtins.int
         TORCH_VERSION_FIELD_NUMBER: _builtins.int
+        DATASET_SIZE_FIELD_NUMBER: _builtins.int
         rank: _builtins.int
         generation: _builtins.int
         """this incarnation's fencing token"""
@@ -1309,6 +1425,8 @@ class JoinMsg(_message.Message):
         backend: _builtins.str
         """"nccl" / "gloo" / "broker" """
         torch_version: _builtins.str
+        dataset_size: _builtins.int
+        """len() of the rank's training dataset"""
         def __init__(
             self,
             *,
@@ -1321,10 +1439,11 @@ class JoinMsg(_message.Message):
             pid: _builtins.int = ...,
             backend: _builtins.str = ...,
             torch_version: _builtins.str = ...,
+            dataset_size: _builtins.int = ...,
         ) -> None: ...
         _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "generation", b"generation", "host", b"host", "model_signature", b"model_signature", "pid", b"pid", "rank", b"rank", "torch_version", b"torch_version", "world_size", b"world_size"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "dataset_size", b"dataset_size", "device", b"device", "generation", b"generation", "host", b"host", "model_signature", b"model_signature", "pid", b"pid", "rank", b"rank", "torch_version", b"torch_version", "world_size", b"world_size"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1392,11 +1511,16 @@ class AdmitMsg(_message.Message):
         GENERATION_FIELD_NUMBER: _builtins.int
         WORLD_SIZE_FIELD_NUMBER: _builtins.int
         COORDINATOR_GENERATION_FIELD_NUMBER: _builtins.int
+        RUN_FIELD_NUMBER: _builtins.int
         rank: _builtins.int
         generation: _builtins.int
         """the incarnation accepted"""
         world_size: _builtins.int
         coordinator_generation: _builtins.int
+        @_builtins.property
+        def run(self) -> Global___RunConfig:
+            """required: the settings every rank adopts"""
+
         def __init__(
             self,
             *,
@@ -1404,10 +1528,11 @@ class AdmitMsg(_message.Message):
             generation: _builtins.int = ...,
             world_size: _builtins.int = ...,
             coordinator_generation: _builtins.int = ...,
+            run: Global___RunConfig | None = ...,
         ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_generation", b"coordinator_generation", "generation", b"generation", "rank", b"rank", "world_size", b"world_size"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_generation", b"coordinator_generation", "generation", b"generation", "rank", b"rank", "run", b"run", "world_size", b"world_size"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -77,6 +77,8 @@ BATCH = m.Batch(rank=3, batch_ms=12.5, data_ms=0.25, step_count=77, param_norm=3
                 batch_loss=0.5)
 HELLO = m.Hello(rank=3, generation=5, host="h", device="cpu", model_signature=MODEL_SIG,
                 world_size=4)
+RUN = m.RunConfig(policy=m.Policy.CADENCE, backend=m.Backend.GLOO, batch_size=32, epochs=3,
+                  seed=42, gamma=1.0, lr_scale_ratio=1.0, dataset_size=1000)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -343,7 +345,18 @@ def _invalid_field() -> list[Case]:
         _signed("json-rank-4-on-rank-3", InvalidField, T3, "TimingMsg.Exiting",
                 b'{"exiting": {"rank": "4"}}', content_type=JSON),
         _signed("accept-for-other-rank", InvalidField, A3, "AdmitMsg.Accept",
-                _c("AdmitMsg", accept=pb.AdmitMsg.Accept(rank=2))),
+                _c("AdmitMsg", accept=pb.AdmitMsg.Accept(
+                    rank=2, run=convert.run_config_to_wire(RUN)))),
+        _signed("accept-without-run", InvalidField, A3, "AdmitMsg.Accept",
+                _c("AdmitMsg", accept=pb.AdmitMsg.Accept(rank=3)), match="run is required"),
+        _signed("accept-unknown-policy", InvalidField, A3, "AdmitMsg.Accept",
+                _c("AdmitMsg", accept=pb.AdmitMsg.Accept(rank=3, run=pb.RunConfig(
+                    backend=pb.BACKEND_GLOO, batch_size=1, coordinator_timeout_s=1.0))),
+                match="policy"),
+        _signed("accept-zero-batch", InvalidField, A3, "AdmitMsg.Accept",
+                _c("AdmitMsg", accept=pb.AdmitMsg.Accept(rank=3, run=pb.RunConfig(
+                    policy=pb.POLICY_SYNC, backend=pb.BACKEND_GLOO, batch_size=0,
+                    coordinator_timeout_s=1.0))), match="batch_size"),
         _signed("rejoin-hello-other-rank", InvalidField, f"ddpbus.{JOB}.join.rank.2",
                 "JoinMsg.Rejoin", _c("JoinMsg", rejoin=j.Rejoin(hello=hello))),
         _signed("reserved-target-rank", InvalidField, C3, "ControlMsg.Checkpoint",
@@ -615,7 +628,8 @@ _SAMPLES: tuple[tuple[str, str, m.Message], ...] = (
         samples_processed=320, scalars={"acc": m.ScalarSum(sum=9.0, count=10)},
         resources=m.ResourceSample(cpu_percent=50.0, ram_used_bytes=1, ram_total_bytes=2))),
     (J3, "rank-3", m.Rejoin(hello=HELLO, resume_stream_seq=99, checkpoint_version=3)),
-    (A3, "coordinator", m.Accept(rank=3, generation=5, world_size=4, coordinator_generation=1)),
+    (A3, "coordinator", m.Accept(rank=3, generation=5, world_size=4, coordinator_generation=1,
+                                       run=RUN)),
     (CALL, "coordinator", m.EpochAggregated(metrics=m.EpochMetrics(
         epoch=1, avg_loss=0.5, epoch_ms=3.0, scalars={"loss": 0.5}, per_rank=({"a": 1.0},),
         device_indices=(-1, 0)))),
@@ -732,7 +746,8 @@ def test_encoder_refuses_wrong_subjects_and_senders() -> None:
         (rank, CALL, BATCH, "does not belong"),  # a timing message on a control subject
         (rank, f"ddpbus.{JOB}.live.rank.3", BATCH, "does not belong"),
         (coord, T3, m.SyncNow(), "does not belong"),
-        (coord, J3, m.Accept(rank=3, generation=1, world_size=4, coordinator_generation=1),
+        (coord, J3, m.Accept(rank=3, generation=1, world_size=4, coordinator_generation=1,
+                             run=RUN),
          "does not belong"),
         (rank, f"ddpbus.{JOB}.timing.rank.4", dataclasses.replace(BATCH, rank=4),
          "may not publish"),  # rank-3 publishing on rank-4's subject

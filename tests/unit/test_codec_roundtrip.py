@@ -142,7 +142,13 @@ def _new_session(draw: st.DrawFn) -> m.NewNcclSession:
                        new_rank=_rank_below(world)))
 
 
-_TYPE_OVERRIDES: dict[Any, st.SearchStrategy[Any]] = {m.Hello: _hello()}
+_TYPE_OVERRIDES: dict[Any, st.SearchStrategy[Any]] = {
+    m.Hello: _hello(),
+    # the decoder refuses a zero batch size and a non-positive coordinator timeout
+    m.RunConfig: st.deferred(lambda: builds(
+        m.RunConfig, batch_size=st.integers(1, U64_MAX),
+        coordinator_timeout_s=st.floats(min_value=1e-3, max_value=1e12))),
+}
 
 TIMING_CLASSES = (
     m.Batch, m.SyncAck, m.Exiting, m.LrUpdate, m.Heartbeat, m.Intent, m.SnapshotReady,
