@@ -21,6 +21,7 @@ from typing import Any
 
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import ConfigError, DdpbusError
+from ddpbus.orchestrator import commands
 from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
 
 log = logging.getLogger("ddpbus.cli")
@@ -40,6 +41,7 @@ ENV_VARS: dict[str, dict[str, str]] = {
         "nats": "DDPBUS_NATS_URL",
         "world_size": "DDPBUS_WORLD_SIZE",
     },
+    **commands.ENV_VARS,
 }
 GLOBAL_ENV = {"DDPBUS_LOG_LEVEL"}
 
@@ -55,6 +57,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
     return value
 
 
@@ -93,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--nats", help="NATS URL (env DDPBUS_NATS_URL)")
     init.add_argument("--world-size", type=_positive, help="number of ranks "
                       "(env DDPBUS_WORLD_SIZE)")
+    commands.add_parsers(sub)
     return parser
 
 
@@ -108,7 +118,9 @@ def merge_env(parser: argparse.ArgumentParser, args: argparse.Namespace,
         args.log_level = environ.get("DDPBUS_LOG_LEVEL", "INFO").upper()
     converters: dict[str, Callable[[str], Any]] = {
         "port": _port, "monitor_port": _port, "max_payload": _positive, "world_size": _positive,
-        "store": Path, "config": Path, "job": _job,
+        "store": Path, "config": Path, "job": _job, "key_file": Path, "summary": Path,
+        "events": Path, "out": Path, "rank": _nonneg_int, "workers": _positive,
+        "torch_threads": _positive,
     }
     for dest, var in ENV_VARS.get(args.command, {}).items():
         if getattr(args, dest, None) is None and var in environ:
@@ -188,8 +200,10 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if args.command == "broker":
-            return run_broker(args)
+        runners = {"broker": run_broker, "coordinator": commands.run_coordinator,
+                   "worker": commands.run_worker, "run": commands.run_local}
+        if args.command in runners:
+            return runners[args.command](args)
         return run_init_job(parser, args)
     except ConfigError as exc:
         parser.error(str(exc))

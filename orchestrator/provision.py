@@ -75,7 +75,7 @@ def stream_config(job: str, storage: JobStorage) -> StreamConfig:
 def consumer_configs(job: str, world_size: int, storage: JobStorage) -> list[ConsumerConfig]:
     def durable(name: str, filters: list[str]) -> ConsumerConfig:
         return ConsumerConfig(durable_name=name, filter_subjects=filters,
-                              ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
+                              ack_policy=AckPolicy.ALL, deliver_policy=DeliverPolicy.ALL,
                               ack_wait=storage.ack_wait.total_seconds(), max_ack_pending=10_000)
 
     configs = [durable(sj.COORDINATOR_CONSUMER, sj.coordinator_filters(job))]

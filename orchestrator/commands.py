@@ -1,0 +1,214 @@
+"""``ddpbus coordinator``, ``ddpbus worker`` and ``ddpbus run``: flags and entry points.
+
+All three load the user's training spec (``file.py:name`` or ``module:name``) and check
+every setting before anything starts. The coordinator decides the schedule: policy,
+backend and knobs from the spec, overridden by ``--policy``, ``--backend``, ``--epochs``,
+``--batch-size`` and ``--knob NAME=VALUE``; workers adopt what the coordinator sends them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from ddpbus.codecs import subjects as sj
+from ddpbus.codecs.envelope import MIN_KEY_BYTES
+from ddpbus.codecs.errors import ConfigError
+from ddpbus.orchestrator.config import KNOBS, Schedule, parse_knob_assignments
+
+ENV_VARS: dict[str, dict[str, str]] = {
+    "coordinator": {
+        "job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL", "key_file": "DDPBUS_KEY_FILE",
+        "world_size": "DDPBUS_WORLD_SIZE", "policy": "DDPBUS_POLICY",
+        "backend": "DDPBUS_BACKEND", "summary": "DDPBUS_SUMMARY", "events": "DDPBUS_EVENTS",
+        "spec": "DDPBUS_SPEC",
+    },
+    "worker": {
+        "job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL", "key_file": "DDPBUS_KEY_FILE",
+        "world_size": "DDPBUS_WORLD_SIZE", "rank": "DDPBUS_RANK", "out": "DDPBUS_OUT",
+        "device": "DDPBUS_DEVICE", "torch_threads": "DDPBUS_TORCH_THREADS",
+        "spec": "DDPBUS_SPEC",
+    },
+    "run": {"workers": "DDPBUS_WORKERS", "out": "DDPBUS_OUT"},
+}
+
+POLICIES = ("sync", "cadence", "async")
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+def _nonneg(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def _factor(text: str) -> float:
+    value = float(text)
+    if not value >= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1 (how many times slower)")
+    return value
+
+
+def _schedule_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("schedule (overrides the spec)")
+    g.add_argument("--policy", choices=POLICIES, help="when to average (env DDPBUS_POLICY)")
+    g.add_argument("--backend", choices=BACKENDS, help="how to average: auto = NCCL with "
+                   "CUDA, else gloo (env DDPBUS_BACKEND)")
+    g.add_argument("--epochs", type=int, help="number of epochs")
+    g.add_argument("--batch-size", type=int, help="samples per batch")
+    g.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
+                   help=f"scheduler knob, repeatable; known: {', '.join(KNOBS)}")
+
+
+def _connection_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--job", type=_job, help="job name (env DDPBUS_JOB)")
+    p.add_argument("--nats", help="NATS URL (env DDPBUS_NATS_URL)")
+    p.add_argument("--key-file", type=Path, help="file holding the job key, >= 16 bytes "
+                   "(env DDPBUS_KEY_FILE)")
+    p.add_argument("--world-size", type=int, help="number of ranks (env DDPBUS_WORLD_SIZE)")
+
+
+def _job(text: str) -> str:
+    try:
+        return sj.check_job(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_parsers(sub: Any) -> None:
+    coord = sub.add_parser("coordinator", help="run the coordinator of one job",
+                           description="Run a job's coordinator: admits the ranks, decides "
+                           "every average and epoch, serves callbacks; exits when the run ends.")
+    _connection_flags(coord)
+    _schedule_flags(coord)
+    coord.add_argument("--summary", type=Path, help="write the run summary JSON here")
+    coord.add_argument("--events", type=Path, help="append the decision log (JSON lines)")
+    coord.add_argument("--wire-json", action="store_true",
+                       help="publish proto3 JSON payloads (readable in `nats sub`)")
+    coord.add_argument("spec", nargs="?", help="training spec: file.py:name or module:name "
+                       "(env DDPBUS_SPEC)")
+
+    worker = sub.add_parser("worker", help="run one rank's worker agent",
+                            description="Run the worker agent of one rank: trains the plans "
+                            "the coordinator sends and averages through torch.distributed.")
+    _connection_flags(worker)
+    worker.add_argument("--rank", type=_nonneg, help="this worker's rank (env DDPBUS_RANK)")
+    worker.add_argument("--out", type=Path, help="directory for consensus and rank saves "
+                        "(env DDPBUS_OUT)")
+    worker.add_argument("--device", help="auto (default: cuda:<rank mod count> with CUDA, "
+                        "else cpu), cpu, cuda, cuda:N (env DDPBUS_DEVICE)")
+    worker.add_argument("--torch-threads", type=int, help="torch intra-op threads")
+    worker.add_argument("--slowdown", type=_factor, default=1.0, help="SIMULATION: make every "
+                        "batch FACTOR times slower (to watch El Che balance on one machine)")
+    worker.add_argument("--final-state", type=Path, help="on Shutdown, write this rank's "
+                        "final parameters to this safetensors file")
+    worker.add_argument("--wire-json", action="store_true", help="publish proto3 JSON")
+    worker.add_argument("spec", nargs="?", help="training spec (env DDPBUS_SPEC)")
+
+    run = sub.add_parser("run", help="train a spec on this machine (broker + coordinator + "
+                         "N workers)", description="Start the embedded broker, a coordinator "
+                         "and N worker processes on this machine, show progress, print the "
+                         "result. Ctrl-C stops everything cleanly.")
+    run.add_argument("spec", help="training spec: file.py:name or module:name")
+    run.add_argument("--workers", type=int, help="number of worker processes (env "
+                     "DDPBUS_WORKERS; default 2)")
+    _schedule_flags(run)
+    run.add_argument("--slowdown", action="append", default=[], metavar="RANK=FACTOR",
+                     help="SIMULATION: make rank RANK's batches FACTOR times slower; "
+                     "repeatable")
+    run.add_argument("--summary", type=Path, help="write the run summary JSON here")
+    run.add_argument("--out", type=Path, help="run directory: logs, events, consensus model "
+                     "(default: ./ddpbus-runs/<job>)")
+    run.add_argument("--job", type=_job, help="job name (default: a fresh one)")
+    run.add_argument("--torch-threads", type=int, help="torch threads per worker "
+                     "(default: cores / workers)")
+    run.add_argument("--no-progress", action="store_true", help="no live progress display")
+    run.add_argument("--wire-json", action="store_true", help="proto3 JSON payloads")
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def schedule_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    over: dict[str, Any] = dict(parse_knob_assignments(list(args.knob or [])))
+    for name in ("policy", "backend", "epochs", "batch_size"):
+        value = getattr(args, name, None)
+        if value is not None:
+            over[name] = value
+    return over
+
+
+def read_key(path: Path | None) -> bytes:
+    if path is None:
+        raise ConfigError("--key-file is required (or DDPBUS_KEY_FILE): the job key signs "
+                          "every message")
+    try:
+        key = path.read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the job key file {path}: {exc}") from None
+    if len(key) < MIN_KEY_BYTES:
+        raise ConfigError(f"the job key in {path} is {len(key)} bytes; it must be at least "
+                          f"{MIN_KEY_BYTES}")
+    return key
+
+
+def _require(args: argparse.Namespace, names: list[tuple[str, str]], command: str) -> None:
+    missing = [flag for flag, dest in names if getattr(args, dest, None) is None]
+    if missing:
+        raise ConfigError(f"{command} needs {', '.join(missing)} (or their DDPBUS_* "
+                          "variables)")
+
+
+def load_schedule(args: argparse.Namespace) -> tuple[Any, Schedule]:
+    from ddpbus.worker_agent.spec import load_spec
+
+    spec = load_spec(args.spec)
+    return spec, spec.schedule(schedule_overrides(args))
+
+
+def run_coordinator(args: argparse.Namespace) -> int:
+    from ddpbus.orchestrator.service import Coordinator, CoordinatorSettings
+    from ddpbus.orchestrator.state import CoreConfig
+
+    _require(args, [("--job", "job"), ("--nats", "nats"), ("--world-size", "world_size"),
+                    ("SPEC", "spec")], "coordinator")
+    if args.world_size < 1:
+        raise ConfigError("--world-size must be >= 1")
+    key = read_key(args.key_file)
+    spec, schedule = load_schedule(args)
+    if schedule.callback_rank is not None and schedule.callback_rank >= args.world_size:
+        raise ConfigError(f"knob callback_rank={schedule.callback_rank} is outside world size "
+                          f"{args.world_size}")
+    config = CoreConfig(schedule=schedule, world_size=args.world_size,
+                        has_eval=spec.eval_fn is not None,
+                        has_checkpoint_fn=spec.checkpoint_fn is not None,
+                        has_epoch_fn=spec.epoch_fn is not None)
+    settings = CoordinatorSettings(job=args.job, nats_url=args.nats, key=key,
+                                   summary_path=args.summary, events_path=args.events,
+                                   wire_json=args.wire_json)
+    return asyncio.run(Coordinator(settings, config).run())
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    from ddpbus.worker_agent.agent import WorkerAgent, WorkerSettings
+    from ddpbus.worker_agent.spec import load_spec
+
+    _require(args, [("--job", "job"), ("--nats", "nats"), ("--world-size", "world_size"),
+                    ("--rank", "rank"), ("SPEC", "spec")], "worker")
+    key = read_key(args.key_file)
+    spec = load_spec(args.spec)
+    settings = WorkerSettings(job=args.job, rank=args.rank, world_size=args.world_size,
+                              nats_url=args.nats, key=key, out_dir=args.out,
+                              final_state=args.final_state, device=args.device or "auto",
+                              slowdown=args.slowdown, torch_threads=args.torch_threads,
+                              wire_json=args.wire_json)
+    return asyncio.run(WorkerAgent(settings, spec).run())
+
+
+def run_local(args: argparse.Namespace) -> int:
+    from ddpbus.orchestrator.launcher import LocalRun
+
+    return LocalRun.from_args(args).run()

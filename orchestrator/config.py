@@ -1,0 +1,270 @@
+"""Run settings: the scheduler knobs with the reference defaults, validated once.
+
+A :class:`Schedule` is built from the user's training spec (``TrainSpec(knobs={...})``),
+then overridden by command-line flags (``--policy``, ``--knob name=value``), and checked as
+a whole before anything starts: an unknown knob, a wrong type or a value out of range is a
+:class:`~ddpbus.codecs.errors.ConfigError` naming the knob and what it accepts. Defaults
+follow the newest flodl generation (reference notes C.1.2, H.2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Final
+
+from ddpbus.codecs import messages as m
+from ddpbus.codecs.errors import ConfigError
+
+Policy = m.Policy
+Backend = m.Backend
+
+DEFAULT_ANCHOR: Final = 10
+"""Batches of the slowest rank per averaging window (cadence/async); sync uses 1."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """Everything the coordinator decides a run with. Build it with :func:`schedule_from`."""
+
+    policy: Policy = Policy.CADENCE
+    backend: Backend = Backend.AUTO
+    batch_size: int = 32
+    epochs: int = 1
+    seed: int = 42
+    # El Che (C.1.2)
+    anchor: int = DEFAULT_ANCHOR
+    max_anchor: int = 1000
+    min_anchor: int | None = None  # None: the initial anchor
+    overhead_target: float = 0.05
+    max_batch_diff: int | None = None
+    relax_up: bool | None = None  # None: on for async
+    max_overshoot: int | None = None  # async lookahead per window; None: derived
+    # divergence guard (C.4)
+    divergence_guard: bool = True
+    divergence_threshold: float = 0.05
+    # averaging (C.3) and LR (C.11)
+    gamma: float = 1.0
+    lr_scale_ratio: float = 1.0
+    # dispatch (C.5): None = on for cadence/async, off for sync
+    progressive: bool | None = None
+    # liveness (D.2)
+    heartbeat_timeout: timedelta = field(default=timedelta(seconds=30))
+    coordinator_timeout: timedelta = field(default=timedelta(seconds=30))
+    # callbacks (C.10)
+    eval_every: int = 1  # epochs between evals when the spec has an eval function; 0 = never
+    checkpoint_every: int = 0  # epochs between checkpoints; 0 = only the final one
+    callback_rank: int | None = None  # None: the fastest rank (sticky)
+    param_norm_every: int = 10  # Batch.param_norm every N local steps; 0 = never
+
+    @property
+    def is_sync(self) -> bool:
+        return self.policy is Policy.SYNC
+
+    @property
+    def effective_anchor(self) -> int:
+        """Sync averages after every step: its window is one batch."""
+        return 1 if self.is_sync else self.anchor
+
+    @property
+    def effective_min_anchor(self) -> int:
+        return self.min_anchor if self.min_anchor is not None else self.effective_anchor
+
+    @property
+    def effective_progressive(self) -> bool:
+        return (not self.is_sync) if self.progressive is None else self.progressive
+
+    @property
+    def effective_relax_up(self) -> bool:
+        return (self.policy is Policy.ASYNC) if self.relax_up is None else self.relax_up
+
+    def overshoot(self, epoch_batches: int) -> int:
+        """Async lookahead per window (C.5): ``clamp(batches / 100, 2, 5)`` unless set."""
+        if self.policy is not Policy.ASYNC:
+            return 0
+        if self.max_overshoot is not None:
+            return self.max_overshoot
+        return min(5, max(2, epoch_batches // 100))
+
+    def run_config(self, dataset_size: int) -> m.RunConfig:
+        """What every rank adopts on Accept."""
+        return m.RunConfig(
+            policy=self.policy, backend=self.backend, batch_size=self.batch_size,
+            epochs=self.epochs, seed=self.seed, gamma=self.gamma,
+            lr_scale_ratio=self.lr_scale_ratio, dataset_size=dataset_size,
+            param_norm_every=self.param_norm_every,
+            coordinator_timeout_s=self.coordinator_timeout.total_seconds(),
+            progressive=self.effective_progressive,
+        )
+
+
+# ------------------------------------------------------------------------ parsing
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in {"1", "true", "yes", "on"}:
+        return True
+    if isinstance(value, str) and value.lower() in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError("expected true or false")
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError("expected an integer")
+    return int(value)
+
+
+def _float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise TypeError("expected a number")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError("expected a finite number")
+    return out
+
+
+def _seconds(value: Any) -> timedelta:
+    if isinstance(value, timedelta):
+        return value
+    return timedelta(seconds=_float(value))
+
+
+def _optional(conv: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def parse(value: Any) -> Any:
+        if value is None or (isinstance(value, str) and value.lower() in {"none", "auto"}):
+            return None
+        return conv(value)
+    return parse
+
+
+def _enum(cls: type[Policy] | type[Backend]) -> Callable[[Any], Any]:
+    def parse(value: Any) -> Any:
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            raise ValueError("expected one of " + " | ".join(v.value for v in cls)) from None
+    return parse
+
+
+_PARSERS: Final[dict[str, Callable[[Any], Any]]] = {
+    "policy": _enum(Policy),
+    "backend": _enum(Backend),
+    "batch_size": _int,
+    "epochs": _int,
+    "seed": _int,
+    "anchor": _int,
+    "max_anchor": _int,
+    "min_anchor": _optional(_int),
+    "overhead_target": _float,
+    "max_batch_diff": _optional(_int),
+    "relax_up": _optional(_bool),
+    "max_overshoot": _optional(_int),
+    "divergence_guard": _bool,
+    "divergence_threshold": _float,
+    "gamma": _float,
+    "lr_scale_ratio": _float,
+    "progressive": _optional(_bool),
+    "heartbeat_timeout": _seconds,
+    "coordinator_timeout": _seconds,
+    "eval_every": _int,
+    "checkpoint_every": _int,
+    "callback_rank": _optional(_int),
+    "param_norm_every": _int,
+}
+
+KNOBS: Final = tuple(_PARSERS)
+"""Every setting a spec's ``knobs`` mapping or ``--knob name=value`` may name."""
+
+
+def _check(s: Schedule) -> None:
+    rules: list[tuple[bool, str]] = [
+        (s.batch_size >= 1, "batch_size must be >= 1"),
+        (s.epochs >= 1, "epochs must be >= 1"),
+        (s.seed >= 0, "seed must be >= 0"),
+        (s.anchor >= 1, "anchor must be >= 1"),
+        (s.max_anchor >= s.effective_anchor, f"max_anchor ({s.max_anchor}) must be >= anchor "
+                                             f"({s.effective_anchor})"),
+        (s.min_anchor is None or 1 <= s.min_anchor <= s.anchor,
+         "min_anchor must be in 1..anchor"),
+        (0.01 <= s.overhead_target <= 0.5, "overhead_target must be in [0.01, 0.5]"),
+        (s.max_batch_diff is None or s.max_batch_diff >= 0, "max_batch_diff must be >= 0"),
+        (s.max_overshoot is None or s.max_overshoot >= 0, "max_overshoot must be >= 0"),
+        (s.max_overshoot is None or s.policy is Policy.ASYNC,
+         "max_overshoot only applies to policy async (barrier-paced policies never overshoot)"),
+        (s.divergence_threshold > 0, "divergence_threshold must be > 0"),
+        (-4.0 <= s.gamma <= 4.0, "gamma must be in [-4, 4] (1 = work weighted, 0 = equal)"),
+        (s.lr_scale_ratio >= 0, "lr_scale_ratio must be >= 0 (0 disables LR scaling)"),
+        (s.heartbeat_timeout > timedelta(0), "heartbeat_timeout must be positive"),
+        (s.coordinator_timeout > timedelta(0), "coordinator_timeout must be positive"),
+        (s.eval_every >= 0, "eval_every must be >= 0"),
+        (s.checkpoint_every >= 0, "checkpoint_every must be >= 0"),
+        (s.callback_rank is None or s.callback_rank >= 0, "callback_rank must be >= 0"),
+        (s.param_norm_every >= 0, "param_norm_every must be >= 0"),
+    ]
+    for ok, text in rules:
+        if not ok:
+            raise ConfigError(text)
+
+
+def _unknown(name: str) -> ConfigError:
+    close = difflib.get_close_matches(name, KNOBS, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"unknown knob {name!r}{hint}; known knobs: {', '.join(KNOBS)}")
+
+
+def schedule_from(*layers: Mapping[str, Any]) -> Schedule:
+    """Merge knob mappings (later layers win) into a checked :class:`Schedule`.
+
+    Values may be typed (``{"anchor": 20}``) or text from a command line
+    (``{"anchor": "20"}``). ``None`` in a later layer means "not given".
+    """
+    values: dict[str, Any] = {}
+    for layer in layers:
+        for name, raw in layer.items():
+            if name not in _PARSERS:
+                raise _unknown(name)
+            if raw is None and name not in values:
+                continue
+            try:
+                values[name] = _PARSERS[name](raw)
+            except (ValueError, TypeError) as exc:
+                raise ConfigError(f"knob {name}={raw!r}: {exc}") from None
+    schedule = Schedule(**values)
+    _check(schedule)
+    return schedule
+
+
+def parse_knob_assignments(items: list[str]) -> dict[str, str]:
+    """``["anchor=20", "gamma=0.5"]`` -> ``{"anchor": "20", "gamma": "0.5"}`` (checked later)."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--knob {item!r}: expected NAME=VALUE")
+        name = name.strip().replace("-", "_")
+        if name not in _PARSERS:
+            raise _unknown(name)
+        out[name] = value.strip()
+    return out
+
+
+def describe(schedule: Schedule) -> dict[str, Any]:
+    """The schedule as plain JSON-able values (for logs, KV and the run summary)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(schedule):
+        value = getattr(schedule, f.name)
+        if isinstance(value, Policy | Backend):
+            value = value.value
+        elif isinstance(value, timedelta):
+            value = value.total_seconds()
+        out[f.name] = value
+    return out

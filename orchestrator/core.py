@@ -1,0 +1,143 @@
+"""The coordinator's decision core: ``transition(state, event, now) -> (state, commands)``.
+
+Everything the coordinator decides happens here, and nothing else does: no I/O, no clock
+(``now`` is handed in, in seconds), no randomness. The state is plain data that the core
+owns and updates; feeding the same events with the same ``now`` values into a fresh
+:func:`initial_state` always yields the same state and the same commands, which is what
+replaying the stream after a crash relies on. An input that breaks a rule changes nothing
+and yields a :class:`~ddpbus.orchestrator.state.Refuse` with the reason.
+"""
+
+from __future__ import annotations
+
+from ddpbus.codecs import messages as m
+from ddpbus.orchestrator import callbacks, membership, window
+from ddpbus.orchestrator.elche import ElChe
+from ddpbus.orchestrator.guard import TrendGuard
+from ddpbus.orchestrator.state import (
+    Command,
+    CoreConfig,
+    Event,
+    Joined,
+    Metrics,
+    Phase,
+    RankState,
+    Record,
+    Refuse,
+    State,
+    Stop,
+    Tick,
+    Timing,
+)
+
+
+def initial_state(config: CoreConfig, now: float) -> State:
+    s = config.schedule
+    elche = ElChe(range(config.world_size), anchor=s.effective_anchor,
+                  min_anchor=s.effective_min_anchor, max_anchor=s.max_anchor,
+                  overhead_target=s.overhead_target, max_batch_diff=s.max_batch_diff,
+                  growth=not s.is_sync, relax_up=s.effective_relax_up)
+    guard = TrendGuard(threshold=s.divergence_threshold, enabled=s.divergence_guard,
+                       sync=s.is_sync)
+    return State(config=config, ranks=[RankState(rank=r) for r in range(config.world_size)],
+                 elche=elche, guard=guard, created_at=now)
+
+
+def transition(state: State, event: Event, now: float) -> tuple[State, list[Command]]:
+    out: list[Command] = []
+    if state.phase is Phase.DONE:
+        out.append(Refuse("run-over", f"{type(event).__name__} after the run ended"))
+    elif isinstance(event, Timing):
+        _timing(state, event.msg, now, out)
+    elif isinstance(event, Metrics):
+        r = _sender(state, event.msg.rank, "MetricsMsg", out)
+        if r is not None:
+            r.last_heard = now
+            window.on_metrics(state, r, event.msg, now, out)
+            window.maybe_average(state, now, out)
+    elif isinstance(event, Joined):
+        membership.on_join(state, event.msg, now, out)
+    elif isinstance(event, Tick):
+        _tick(state, now, out)
+    elif isinstance(event, Stop):
+        membership.end_run(state, m.SaveReason.GRACEFUL_SHUTDOWN, event.reason, now, out)
+    for c in out:
+        if isinstance(c, Refuse):
+            state.refusals[c.reason] += 1
+    return state, out
+
+
+def _sender(state: State, rank: int, what: str, out: list[Command]) -> RankState | None:
+    r = state.rank(rank)
+    if r is None or r.hello is None:
+        out.append(Refuse("unknown-rank", f"{what} from rank {rank}, which was never admitted"))
+        return None
+    if r.dead:
+        out.append(Refuse("dead-rank", f"{what} from rank {rank}, declared dead"))
+        return None
+    return r
+
+
+def _tick(state: State, now: float, out: list[Command]) -> None:
+    membership.check_formation(state, now, out)
+    membership.check_rendezvous(state, now, out)
+    if state.phase in (Phase.FORMING, Phase.TRAINING, Phase.FINISHING):
+        membership.check_liveness(state, now, out)
+    membership.maybe_done(state, now, out)
+
+
+def _begin_training(state: State, now: float, out: list[Command]) -> None:
+    state.phase = Phase.TRAINING
+    state.training_started_at = now
+    callbacks.initial_roles(state)
+    out.append(Record("training-started", {"world_size": state.config.world_size,
+                                           "total_batches": state.total_batches,
+                                           "backend": (state.backend or m.Backend.GLOO).value}))
+    window.open_window(state, now, out)
+
+
+def _timing(state: State, msg: m.TimingMsg, now: float, out: list[Command]) -> None:
+    r = _sender(state, msg.rank, type(msg).__name__, out)
+    if r is None:
+        return
+    r.last_heard = now  # every timing frame is liveness, before anything else
+    if isinstance(msg, m.Heartbeat):
+        return
+    if isinstance(msg, m.Exiting):
+        membership.on_exiting(state, r, now, out)
+        return
+    if r.exited:
+        out.append(Refuse("exited-rank", f"{type(msg).__name__} from rank {r.rank} after "
+                          "its Exiting"))
+        return
+    if isinstance(msg, m.Batch):
+        window.on_batch(state, r, msg, now, out)
+        window.maybe_average(state, now, out)
+    elif isinstance(msg, m.SyncAck):
+        window.on_sync_ack(state, r, msg, now, out)
+        window.maybe_average(state, now, out)
+    elif isinstance(msg, m.LrUpdate):
+        r.lr = msg.lr
+    elif isinstance(msg, m.NewNcclIdGenerated):
+        if membership.on_new_id(state, msg, now, out) and state.phase is Phase.FORMING:
+            _begin_training(state, now, out)
+    else:
+        _callback_timing(state, r, msg, now, out)
+
+
+def _callback_timing(state: State, r: RankState, msg: m.TimingMsg, now: float,
+                     out: list[Command]) -> None:
+    if isinstance(msg, m.EvalResult):
+        callbacks.on_eval_result(state, r, msg, now, out)
+    elif isinstance(msg, m.CheckpointResult):
+        callbacks.on_checkpoint_result(state, r, msg, now, out)
+    elif isinstance(msg, m.EpochFnElapsed):
+        callbacks.on_epoch_fn_elapsed(state, r, msg, out)
+    elif isinstance(msg, m.Intent):
+        callbacks.on_intent(state, r, msg, out)
+    elif isinstance(msg, m.SnapshotReady):
+        backend = (state.backend or m.Backend.GLOO).value
+        out.append(Refuse("no-broker-round", f"SnapshotReady from rank {r.rank}: backend "
+                          f"{backend} averages in place, no parameter snapshot is pending"))
+    else:  # pragma: no cover - every TimingMsg variant is handled above
+        out.append(Refuse("unknown-variant", type(msg).__name__))

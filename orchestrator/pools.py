@@ -1,0 +1,116 @@
+"""Per-epoch work pools and the plans cut from them (reference C.5, C.7).
+
+Every epoch is the permutation ``perm(seed + epoch)`` of the dataset, trimmed to whole
+batches (the sub-batch remainder is dropped, a different one each epoch). The coordinator only
+counts batches: an :class:`Assignment` is ``size`` consecutive batches starting at batch
+``offset`` of the epoch; on the wire it is an EpochPlan in samples. A :class:`Pool` hands
+batches out from a monotonic cursor, so plans of one epoch never overlap and, once the cursor
+is at the end and every assignment is trained, cover the epoch exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from ddpbus.codecs import messages as m
+
+
+@dataclass(slots=True)
+class Assignment:
+    """Batches ``[offset, offset + size)`` of ``epoch``, given to one rank."""
+
+    epoch: int
+    offset: int
+    size: int
+    done: int = 0
+    metrics: m.MetricsMsg | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.done >= self.size
+
+    @property
+    def remaining(self) -> int:
+        return self.size - self.done
+
+    def plan(self, batch_size: int) -> m.EpochPlan:
+        return m.EpochPlan(epoch=self.epoch, partition_offset=self.offset * batch_size,
+                           partition_size=self.size * batch_size)
+
+
+@dataclass(slots=True)
+class Pool:
+    """One epoch's batches: ``cursor`` of ``total`` handed out so far."""
+
+    epoch: int
+    total: int
+    cursor: int = 0
+    assignments: list[tuple[int, Assignment]] = field(default_factory=list)  # (rank, a)
+    first_dispatch_at: float | None = None
+    completed_at: float | None = None
+    aggregated: bool = False
+    boundary_done: bool = False
+
+    @property
+    def remaining(self) -> int:
+        return self.total - self.cursor
+
+    @property
+    def exhausted(self) -> bool:
+        return self.cursor >= self.total
+
+    @property
+    def trained(self) -> bool:
+        """Every batch handed out and trained."""
+        return self.exhausted and all(a.complete for _, a in self.assignments)
+
+    @property
+    def reported(self) -> bool:
+        """Trained, and every assignment's metrics arrived: ready to aggregate."""
+        return self.trained and all(a.metrics is not None for _, a in self.assignments)
+
+    def take(self, rank: int, size: int, now: float) -> Assignment | None:
+        size = min(size, self.remaining)
+        if size <= 0:
+            return None
+        a = Assignment(epoch=self.epoch, offset=self.cursor, size=size)
+        self.cursor += size
+        self.assignments.append((rank, a))
+        if self.first_dispatch_at is None:
+            self.first_dispatch_at = now
+        return a
+
+    def chunks(self) -> dict[int, list[m.MetricsMsg]]:
+        out: dict[int, list[m.MetricsMsg]] = {}
+        for rank, a in self.assignments:
+            if a.metrics is not None:
+                out.setdefault(rank, []).append(a.metrics)
+        return out
+
+
+def equal_split(total: int, ranks: Iterable[int]) -> dict[int, int]:
+    """Equal shares of ``total`` batches; the remainder goes to the first ranks."""
+    order = sorted(ranks)
+    base, extra = divmod(total, len(order))
+    return {r: base + (1 if i < extra else 0) for i, r in enumerate(order)}
+
+
+def proportional_split(total: int, ms_per_batch: Mapping[int, float | None]) -> dict[int, int]:
+    """Throughput-proportional shares (C.7): ``tp_r = 1 / max(ms_r, 0.001)``, floors, the
+    remainder to the fastest ranks. Unmeasured ranks count as the slowest measured one."""
+    measured = [ms for ms in ms_per_batch.values() if ms is not None]
+    if not measured:
+        return equal_split(total, ms_per_batch)
+    slowest = max(measured)
+    tp = {r: 1.0 / max(ms if ms is not None else slowest, 0.001)
+          for r, ms in ms_per_batch.items()}
+    norm = sum(tp.values())
+    shares = {r: int(total * t / norm) for r, t in tp.items()}
+    short = total - sum(shares.values())
+    for r in sorted(tp, key=lambda r: (-tp[r], r)):
+        if short <= 0:
+            break
+        shares[r] += 1
+        short -= 1
+    return shares

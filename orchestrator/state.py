@@ -1,0 +1,233 @@
+"""The coordinator core's vocabulary: its events, its commands and its state.
+
+The core (:mod:`.core`) is ``transition(state, event, now) -> (state, commands)``: events are
+decoded messages and timer ticks, commands are messages to publish and records of decisions.
+The state is plain data owned by the core; nothing here does I/O or reads a clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddpbus.codecs import messages as m
+from ddpbus.orchestrator.config import Schedule
+from ddpbus.orchestrator.elche import ElChe, GuardVerdict
+from ddpbus.orchestrator.guard import TrendGuard
+from ddpbus.orchestrator.pools import Assignment, Pool
+
+# ------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """A rank's JoinMsg (join.rank.N)."""
+
+    msg: m.Hello | m.Rejoin
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """A rank's TimingMsg (timing.rank.N, or a Heartbeat from live.rank.N)."""
+
+    msg: m.TimingMsg
+
+
+@dataclass(frozen=True, slots=True)
+class Metrics:
+    msg: m.MetricsMsg
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Time passed (the shell ticks every ~100 ms): timeouts are checked here."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """The operator asked the coordinator to stop (SIGTERM/SIGINT): drain gracefully."""
+
+    reason: str = "stopped by signal"
+
+
+Event = Joined | Timing | Metrics | Tick | Stop
+
+# ----------------------------------------------------------------------- commands
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Publish a control message to one rank (``rank``) or to every rank (``None``)."""
+
+    msg: m.ControlMsg
+    rank: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """Publish an Accept or Reject on the rank's admit subject."""
+
+    msg: m.Accept | m.Reject
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A decision worth a line in the machine-readable event log."""
+
+    event: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """An input that changed nothing, with the reason (counted and logged by the shell)."""
+
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """The run is over: the shell publishes nothing more and exits."""
+
+    ok: bool
+    reason: str
+
+
+Command = Send | Admit | Record | Refuse | Finish
+
+# -------------------------------------------------------------------------- state
+
+
+class Phase(enum.Enum):
+    ADMITTING = "admitting"  # waiting for every rank's Hello
+    FORMING = "forming"  # communicator session being minted
+    TRAINING = "training"
+    FINISHING = "finishing"  # last average / callbacks settling, then Shutdown
+    DRAINING = "draining"  # Shutdown(WithSave) sent, waiting for Exiting
+    DONE = "done"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoreConfig:
+    schedule: Schedule
+    world_size: int
+    has_eval: bool = False
+    has_checkpoint_fn: bool = False
+    has_epoch_fn: bool = False
+    coordinator_generation: int = 1
+    formation_timeout_s: float = 300.0
+    exit_timeout_s: float = 30.0
+    rendezvous_timeout_s: float = 5.0  # per id-generator candidate (D.3)
+
+
+@dataclass(slots=True)
+class RankState:
+    rank: int
+    hello: m.Hello | None = None
+    alive: bool = False  # admitted, not dead, not exited
+    exited: bool = False
+    dead: bool = False
+    last_heard: float = 0.0
+    step: int = 0  # the rank's last reported local step
+    lr: float | None = None
+    last_loss: float | None = None
+    queue: deque[Assignment] = field(default_factory=deque)  # dispatched, in order
+    batches_total: int = 0
+    # the open window
+    steps: int = 0
+    compute_ms: float = 0.0
+    delivered_ms: float = 0.0
+    delivered_batches: int = 0
+    fill_ms: float | None = None
+    target: int = 0  # steps that satisfy the gate this window
+    budget: int = 0  # steps the rank may take this window
+    # the last average
+    acked: bool = True
+    sync_step: int = 0
+    divergence: float | None = None
+    pre_norm: float | None = None
+    post_norm: float | None = None
+    callback_ms: dict[str, float] = field(default_factory=dict)  # EWMA per callback kind
+
+    def in_flight(self) -> int:
+        return sum(a.remaining for a in self.queue)
+
+    def awaiting_metrics(self) -> bool:
+        return any(a.complete and a.metrics is None for a in self.queue)
+
+
+@dataclass(slots=True)
+class Rendezvous:
+    """A communicator session being minted (RequestNewNcclId -> NewNcclIdGenerated)."""
+
+    generator: int
+    members: tuple[int, ...]
+    deadline: float
+    tried: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class Roles:
+    epoch_fn: int = 0
+    eval: int = 0
+    checkpoint: int = 0
+    by_speed: bool = False  # elected from measured speeds (sticky from then on)
+    announced: int | None = None  # epoch_fn role the ranks were last told
+
+
+@dataclass(slots=True)
+class PendingCheckpoint:
+    version: int
+    target: int
+    tried: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class State:
+    config: CoreConfig
+    ranks: list[RankState]
+    elche: ElChe
+    guard: TrendGuard
+    created_at: float
+    phase: Phase = Phase.ADMITTING
+    model_signature: bytes | None = None
+    dataset_size: int = 0
+    total_batches: int = 0
+    backend: m.Backend | None = None
+    run: m.RunConfig | None = None
+    rendezvous: Rendezvous | None = None
+    sessions: int = 0
+    training_started_at: float | None = None
+    finished_at: float | None = None
+    pools: dict[int, Pool] = field(default_factory=dict)
+    epoch: int = 0  # the epoch being dispatched
+    next_aggregate: int = 0
+    aggregated: list[m.EpochMetrics] = field(default_factory=list)
+    global_step: int = 0
+    rounds: int = 0
+    sync_sent_at: float | None = None
+    reduce_ms: float = 0.0
+    pending_verdict: GuardVerdict | None = None
+    roles: Roles = field(default_factory=Roles)
+    evals: dict[int, tuple[int, int]] = field(default_factory=dict)  # id -> (epoch, rank)
+    next_schedule_id: int = 1
+    checkpoints: dict[int, PendingCheckpoint] = field(default_factory=dict)
+    intents: set[m.IntentKind] = field(default_factory=set)
+    eval_history: list[tuple[int, float]] = field(default_factory=list)
+    drain_started_at: float | None = None
+    outcome: tuple[bool, str] | None = None  # (ok, reason) once the end is decided
+    refusals: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.config.schedule
+
+    @property
+    def alive(self) -> list[RankState]:
+        return [r for r in self.ranks if r.alive]
+
+    def rank(self, index: int) -> RankState | None:
+        return self.ranks[index] if 0 <= index < len(self.ranks) else None

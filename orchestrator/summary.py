@@ -1,0 +1,46 @@
+"""The run summary: what a finished (or failed) run did, as plain JSON-able data."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ddpbus.orchestrator.config import describe
+from ddpbus.orchestrator.state import State
+
+
+def _num(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def summarize(s: State) -> dict[str, Any]:
+    batches = {r.rank: r.batches_total for r in s.ranks}
+    total = sum(batches.values())
+    started = s.training_started_at
+    ended = s.finished_at
+    ok, reason = s.outcome or (False, "running")
+    last_eval = s.eval_history[-1] if s.eval_history else None
+    return {
+        "ok": ok,
+        "reason": reason,
+        "world_size": s.config.world_size,
+        "backend": s.backend.value if s.backend else None,
+        "policy": s.schedule.policy.value,
+        "progressive": s.schedule.effective_progressive,
+        "epochs": len(s.aggregated),
+        "epochs_planned": s.schedule.epochs,
+        "rounds": s.rounds,
+        "global_step": s.global_step,
+        "wall_s": (ended - started) if started is not None and ended is not None else None,
+        "test_accuracy": last_eval[1] if last_eval else None,
+        "eval": [{"epoch": e, "metric": v} for e, v in s.eval_history],
+        "loss": [_num(e.avg_loss) for e in s.aggregated],
+        "batch_share": {str(r): (b / total if total else 0.0) for r, b in batches.items()},
+        "batches": {str(r): b for r, b in batches.items()},
+        "anchor": s.elche.anchor,
+        "counts": {str(r): c for r, c in s.elche.counts.items()},
+        "dataset_size": s.dataset_size,
+        "batches_per_epoch": s.total_batches,
+        "refused": dict(s.refusals),
+        "schedule": describe(s.schedule),
+    }

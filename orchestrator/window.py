@@ -1,0 +1,282 @@
+"""Windows: batch bookkeeping, the averaging gate, SyncNow, and dispatch of the next window.
+
+A *window* is the stretch between two averages. When it opens, every alive rank gets a
+``target`` (the steps that satisfy the gate) and a ``budget`` (the steps it may take; larger
+than the target only under async, by the lookahead), broadcast in SetGlobalStep, plus the
+plans (StartEpoch) to train. The gate (reference C.2, newest semantics) fires when the
+previous average is acknowledged by every alive rank, every alive rank reached its target
+and reported the metrics of every plan it finished, and at least one rank moved. Then:
+SyncNow, El Che and the guard are updated inline (so the next window opens without waiting
+for acks), epoch-boundary callbacks go out, and the next window opens.
+"""
+
+from __future__ import annotations
+
+from ddpbus.codecs import messages as m
+from ddpbus.orchestrator import callbacks
+from ddpbus.orchestrator.aggregate import aggregate_epoch
+from ddpbus.orchestrator.elche import RankWindow, WindowReport, clamp_total
+from ddpbus.orchestrator.pools import Pool, equal_split, proportional_split
+from ddpbus.orchestrator.state import Command, Phase, RankState, Record, Refuse, Send, State
+
+Out = list[Command]
+
+
+# ---------------------------------------------------------------- bookkeeping
+
+
+def on_batch(s: State, r: RankState, msg: m.Batch, now: float, out: Out) -> None:
+    if s.phase not in (Phase.TRAINING, Phase.FINISHING):
+        out.append(Refuse("batch-outside-training", f"rank {r.rank} reported a batch in "
+                          f"phase {s.phase.value}"))
+        return
+    head = next((a for a in r.queue if not a.complete), None)
+    if head is None:
+        out.append(Refuse("batch-without-plan", f"rank {r.rank} reported step "
+                          f"{msg.step_count} with no plan in flight"))
+        return
+    head.done += 1
+    r.step, r.batches_total = msg.step_count, r.batches_total + 1
+    if msg.batch_loss is not None:
+        r.last_loss = msg.batch_loss
+    r.steps += 1
+    r.compute_ms += msg.batch_ms
+    if r.steps == 1:
+        r.fill_ms = msg.batch_ms + msg.data_ms
+    else:
+        r.delivered_ms += msg.batch_ms + msg.data_ms
+        r.delivered_batches += 1
+    if r.steps > r.budget:
+        out.append(Record("budget-exceeded", {"rank": r.rank, "steps": r.steps,
+                                              "budget": r.budget}))
+
+
+def on_metrics(s: State, r: RankState, msg: m.MetricsMsg, now: float, out: Out) -> None:
+    waiting = next((a for a in r.queue if a.complete and a.metrics is None
+                    and a.epoch == msg.epoch), None)
+    if waiting is None:
+        out.append(Refuse("metrics-without-plan", f"rank {r.rank} sent metrics for epoch "
+                          f"{msg.epoch} with no finished plan awaiting them"))
+        return
+    if msg.batches_processed != waiting.size:
+        out.append(Record("metrics-mismatch", {"rank": r.rank, "epoch": msg.epoch,
+                                               "reported": msg.batches_processed,
+                                               "planned": waiting.size}))
+    waiting.metrics = msg
+    while r.queue and r.queue[0].complete and r.queue[0].metrics is not None:
+        r.queue.popleft()
+    aggregate_ready(s, now, out)
+    if s.schedule.policy is m.Policy.ASYNC and s.schedule.effective_progressive:
+        _lookahead(s, r, now, out)
+
+
+def aggregate_ready(s: State, now: float, out: Out) -> None:
+    """Aggregate epochs in ascending order, each once its pool is trained and reported."""
+    while (pool := s.pools.get(s.next_aggregate)) is not None and pool.reported:
+        pool.completed_at = now
+        wall = None
+        if s.schedule.effective_progressive and pool.first_dispatch_at is not None:
+            wall = (now - pool.first_dispatch_at) * 1000.0
+        devices = tuple(_device_index(r.hello.device if r.hello else "") for r in s.ranks)
+        metrics = aggregate_epoch(pool.epoch, pool.chunks(), len(s.ranks), pool_wall_ms=wall,
+                                  device_indices=devices)
+        pool.aggregated = True
+        s.aggregated.append(metrics)
+        s.next_aggregate += 1
+        out.append(Send(m.EpochAggregated(metrics=metrics)))
+        out.append(Record("epoch-aggregated", {"epoch": pool.epoch, "loss": metrics.avg_loss,
+                                               "epoch_ms": metrics.epoch_ms,
+                                               "batch_share": list(metrics.per_rank_batch_share)}))
+    callbacks.maybe_finish(s, now, out)
+
+
+def _device_index(device: str) -> int:
+    kind, _, index = device.partition(":")
+    return int(index) if kind == "cuda" and index.isdigit() else (0 if kind == "cuda" else -1)
+
+
+# ----------------------------------------------------------------------- gate
+
+
+def _satisfied(r: RankState) -> bool:
+    """Reached its target, or quiesced (nothing in flight: it joins with what it has), and
+    reported every plan it finished."""
+    return (r.steps >= r.target or r.in_flight() == 0) and not r.awaiting_metrics()
+
+
+def maybe_average(s: State, now: float, out: Out) -> None:
+    if s.phase is not Phase.TRAINING:
+        return
+    alive = s.alive
+    if not alive or not all(r.acked for r in alive) or not all(_satisfied(r) for r in alive):
+        return
+    if not any(r.steps > 0 for r in alive):
+        return  # no empty reduces
+    sync(s, now, out)
+    callbacks.boundaries(s, now, out)
+    open_window(s, now, out)
+
+
+def sync(s: State, now: float, out: Out) -> None:
+    """Broadcast SyncNow and finalise the window inline (reference C.3, NCCL arm)."""
+    alive = s.alive
+    out.append(Send(m.SyncNow()))
+    s.rounds += 1
+    s.sync_sent_at = now
+    steps = {r.rank: r.steps for r in alive}
+    s.global_step += sum(steps.values())
+    callbacks.stage_boundary_slack(s)
+    report = WindowReport(
+        ranks={r.rank: RankWindow(steps=r.steps, compute_ms=r.compute_ms,
+                                  delivered_ms=r.delivered_ms,
+                                  delivered_batches=r.delivered_batches, fill_ms=r.fill_ms)
+               for r in alive},
+        reduce_ms=s.reduce_ms, use_delivered=not s.schedule.is_sync)
+    s.elche.report_window(report)
+    if s.pending_verdict is not None:
+        s.elche.apply_verdict(s.pending_verdict)
+        s.pending_verdict = None
+    for r in alive:
+        r.acked, r.sync_step = False, r.step
+        r.steps, r.compute_ms, r.delivered_ms, r.delivered_batches, r.fill_ms = 0, 0., 0., 0, None
+    out.append(Record("average", {"round": s.rounds, "global_step": s.global_step,
+                                  "steps": steps, "anchor": s.elche.anchor,
+                                  "counts": dict(s.elche.counts),
+                                  "overhead": s.elche.last_overhead}))
+    callbacks.elect_roles(s, out)
+    callbacks.retry_checkpoints(s, out)
+
+
+def on_sync_ack(s: State, r: RankState, msg: m.SyncAck, now: float, out: Out) -> None:
+    if r.acked:
+        out.append(Refuse("unexpected-ack", f"SyncAck from rank {r.rank} with no average "
+                          "pending for it"))
+        return
+    r.acked = True
+    r.divergence, r.pre_norm, r.post_norm = msg.divergence, msg.pre_norm, msg.post_norm
+    carried = msg.step_count - r.sync_step
+    if carried > 0:  # async: batches trained before the collective but reported after SyncNow
+        moved = min(carried, r.steps)
+        r.steps -= moved
+        r.target = min(r.target, r.steps + r.in_flight())
+        s.global_step += moved
+    alive = s.alive
+    if all(x.acked for x in alive):
+        s.reduce_ms = (now - (s.sync_sent_at or now)) * 1000.0
+        divergences = [x.divergence for x in alive if x.divergence is not None]
+        s.pending_verdict = s.guard.observe(divergences)
+        out.append(Record("averaged", {"round": s.rounds, "reduce_ms": s.reduce_ms,
+                                       "divergence": max(divergences, default=0.0),
+                                       "verdict": s.pending_verdict.verdict.value}))
+    callbacks.maybe_finish(s, now, out)
+
+
+# ------------------------------------------------------------------- dispatch
+
+
+def _pool(s: State, epoch: int) -> Pool:
+    pool = s.pools.get(epoch)
+    if pool is None:
+        pool = s.pools[epoch] = Pool(epoch=epoch, total=s.total_batches)
+    return pool
+
+
+def _advance(s: State) -> bool:
+    """Move ``s.epoch`` past trained epochs; False when no epoch is left to dispatch."""
+    while True:
+        pool = _pool(s, s.epoch)
+        if not pool.trained:
+            return True
+        if s.epoch + 1 >= s.schedule.epochs:
+            return False
+        s.epoch += 1
+
+
+def _send_plans(s: State, r: RankState, size: int, now: float, out: Out, *,
+                stream: bool) -> int:
+    """Give ``r`` up to ``size`` batches from the current epoch (and, with ``stream``, the
+    following ones); returns the batches given."""
+    given, epoch = 0, s.epoch
+    while given < size and epoch < s.schedule.epochs:
+        a = _pool(s, epoch).take(r.rank, size - given, now)
+        if a is not None:
+            r.queue.append(a)
+            given += a.size
+            out.append(Send(m.StartEpoch(plan=a.plan(s.schedule.batch_size)), rank=r.rank))
+        if not stream:
+            break
+        epoch += 1
+    return given
+
+
+def open_window(s: State, now: float, out: Out) -> None:
+    if not _advance(s):
+        callbacks.enter_finishing(s, now, out)
+        return
+    pool = _pool(s, s.epoch)
+    callbacks.announce_role(s, out)
+    mark = len(out)  # SetGlobalStep opens the window: it goes before this window's plans
+    alive = s.alive
+    counts = {r.rank: s.elche.counts.get(r.rank, s.elche.anchor) for r in alive}
+    if s.schedule.is_sync:
+        counts = dict.fromkeys(counts, 1)
+    overshoot = s.schedule.overshoot(s.total_batches)
+    progressive = s.schedule.effective_progressive
+    if progressive:
+        _dispatch_progressive(s, counts, now, out)
+    elif pool.cursor == 0:
+        _dispatch_partitions(s, pool, now, out)
+    for r in alive:
+        in_flight = r.in_flight()
+        r.target = min(counts[r.rank], in_flight)
+        r.budget = min(in_flight, r.target + overshoot) if not progressive else \
+            r.target + overshoot
+    budgets = tuple(s.ranks[i].budget if s.ranks[i].alive else 0 for i in range(len(s.ranks)))
+    out.insert(mark, Send(m.SetGlobalStep(global_step=s.global_step, step_budget=budgets)))
+
+
+def _available(s: State, *, stream: bool) -> int:
+    """Batches that can still be handed out: the current epoch's, and with ``stream`` the
+    later epochs' too."""
+    last = s.schedule.epochs if stream else s.epoch + 1
+    return sum(s.pools[e].remaining if e in s.pools else s.total_batches
+               for e in range(s.epoch, last))
+
+
+def _dispatch_progressive(s: State, counts: dict[int, int], now: float, out: Out) -> None:
+    stream = s.schedule.policy is m.Policy.ASYNC
+    wants = {r.rank: max(0, counts[r.rank] - r.in_flight()) for r in s.alive}
+    available = _available(s, stream=stream)
+    if sum(wants.values()) > available:
+        wants = clamp_total({r: w for r, w in wants.items() if w > 0}, available) | {
+            r: 0 for r, w in wants.items() if w == 0}
+    for r in s.alive:
+        if wants[r.rank] > 0:
+            _send_plans(s, r, wants[r.rank], now, out, stream=stream)
+
+
+def _dispatch_partitions(s: State, pool: Pool, now: float, out: Out) -> None:
+    """Non-progressive: the whole epoch at once, one consecutive slice per rank (C.7)."""
+    ranks = [r.rank for r in s.alive]
+    if s.schedule.is_sync or not s.elche.calibrated:
+        sizes = equal_split(pool.total, ranks)
+    else:
+        sizes = proportional_split(pool.total, {r: s.elche.smoothed_ms(r) for r in ranks})
+    for rank in ranks:
+        r = s.ranks[rank]
+        a = pool.take(rank, sizes[rank], now)
+        if a is not None:
+            r.queue.append(a)
+            out.append(Send(m.StartEpoch(plan=a.plan(s.schedule.batch_size)), rank=rank))
+
+
+def _lookahead(s: State, r: RankState, now: float, out: Out) -> None:
+    """Async only: a rank that finished its plans before the window closes may run ahead,
+    up to its budget (bounded overshoot, reference C.5)."""
+    if s.phase is not Phase.TRAINING or not r.alive or r.in_flight() > 0:
+        return
+    room = r.budget - r.steps
+    if room > 0:
+        given = _send_plans(s, r, room, now, out, stream=True)
+        if given:
+            out.append(Record("lookahead", {"rank": r.rank, "batches": given}))

@@ -1,0 +1,233 @@
+"""A discrete-event cohort for pure-core tests: simulated ranks against the real core.
+
+Each simulated rank follows the worker agent's protocol rules (train only inside an open
+window and within its step budget, one Batch per batch, one MetricsMsg per finished plan,
+SyncAck after each SyncNow, callbacks when targeted, Exiting on Shutdown) with a per-batch
+cost, and every message takes ``latency`` seconds to arrive. The clock is fake, so a run of
+hundreds of averages takes milliseconds and is exactly repeatable.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddpbus.codecs import messages as m
+from ddpbus.orchestrator.config import Schedule
+from ddpbus.orchestrator.core import initial_state, transition
+from ddpbus.orchestrator.state import (
+    Admit,
+    Command,
+    CoreConfig,
+    Event,
+    Finish,
+    Joined,
+    Metrics,
+    Record,
+    Refuse,
+    Send,
+    Tick,
+    Timing,
+)
+
+SIG = b"\x11" * m.MODEL_SIGNATURE_BYTES
+UID = b"\x22" * m.NCCL_ID_BYTES
+
+
+@dataclass
+class SimRank:
+    rank: int
+    ms_per_batch: float
+    callback_ms: float = 0.0
+    fail_checkpoint: bool = False
+    plans: deque[list[int]] = field(default_factory=deque)  # [epoch, first, size, done]
+    budget: int = 0
+    steps: int = 0  # since the last average
+    step: int = 0
+    busy: bool = False
+    trained: Counter[tuple[int, int]] = field(default_factory=Counter)  # (epoch, batch)
+    batches: int = 0
+    idle_ms: float = 0.0
+    idle_since: float | None = 0.0
+    exited: bool = False
+    silent: bool = False  # stops answering (a hung process)
+    received: list[m.ControlMsg] = field(default_factory=list)
+    inbox: deque[m.ControlMsg] = field(default_factory=deque)  # read between batches
+
+
+class Sim:
+    """Drive :func:`transition` with simulated ranks until the core says Finish."""
+
+    def __init__(self, schedule: Schedule, speeds: Iterable[float], *, latency: float = 0.0005,
+                 dataset_size: int = 640, has_eval: bool = False,
+                 has_checkpoint_fn: bool = False, has_epoch_fn: bool = False,
+                 tick: float = 0.1) -> None:
+        speeds = list(speeds)
+        self.config = CoreConfig(schedule=schedule, world_size=len(speeds), has_eval=has_eval,
+                                 has_checkpoint_fn=has_checkpoint_fn, has_epoch_fn=has_epoch_fn)
+        self.now = 0.0
+        self.state = initial_state(self.config, self.now)
+        self.ranks = [SimRank(rank=i, ms_per_batch=ms) for i, ms in enumerate(speeds)]
+        self.latency = latency
+        self.dataset_size = dataset_size
+        self.tick = tick
+        self.commands: list[Command] = []
+        self.finish: Finish | None = None
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self.sent: list[tuple[float, int | None, m.ControlMsg]] = []
+
+    # ----------------------------------------------------------------- plumbing
+
+    def at(self, when: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (when, next(self._seq), fn))
+
+    def to_core(self, event: Event, delay: float | None = None) -> None:
+        self.at(self.now + (self.latency if delay is None else delay),
+                lambda: self._deliver(event))
+
+    def _deliver(self, event: Event) -> None:
+        self.state, out = transition(self.state, event, self.now)
+        self.commands += out
+        for c in out:
+            if isinstance(c, Send):
+                self.sent.append((self.now, c.rank, c.msg))
+                targets = [c.rank] if c.rank is not None else range(len(self.ranks))
+                for t in targets:
+                    self.at(self.now + self.latency, lambda t=t, msg=c.msg: self._rank_gets(t, msg))
+            elif isinstance(c, Admit):
+                pass
+            elif isinstance(c, Finish):
+                self.finish = c
+
+    def _ticker(self) -> None:
+        if self.finish is None:
+            self._deliver(Tick())
+            self.at(self.now + self.tick, self._ticker)
+
+    def _heartbeats(self) -> None:
+        # every live rank beacons once a second (live.rank.N), whatever it is doing
+        if self.finish is None:
+            for r in self.ranks:
+                if not (r.exited or r.silent):
+                    self.to_core(Timing(m.Heartbeat(rank=r.rank, step_count=r.step)))
+            self.at(self.now + 1.0, self._heartbeats)
+
+    def run(self, until: float = 1e6) -> Finish:
+        for r in self.ranks:
+            hello = m.Hello(rank=r.rank, generation=1, host="sim", device="cpu",
+                            model_signature=SIG, world_size=len(self.ranks), backend="gloo",
+                            dataset_size=self.dataset_size)
+            self.to_core(Joined(hello))
+        self.at(self.tick, self._ticker)
+        self.at(1.0, self._heartbeats)
+        while self._events and self.finish is None:
+            when, _, fn = heapq.heappop(self._events)
+            if when > until:
+                break
+            self.now = when
+            fn()
+        if self.finish is None:
+            raise AssertionError(f"no Finish by t={self.now:.3f}s; phase {self.state.phase}")
+        return self.finish
+
+    # -------------------------------------------------------------------- ranks
+
+    def _rank_gets(self, index: int, msg: m.ControlMsg) -> None:
+        r = self.ranks[index]
+        if r.exited or r.silent:
+            return
+        r.received.append(msg)
+        r.inbox.append(msg)
+        self._drain(r)
+
+    def _drain(self, r: SimRank) -> None:
+        # like the agent's trainer thread: control messages are handled between batches
+        while r.inbox and not r.busy and not r.exited:
+            self._handle(r, r.inbox.popleft())
+        self._maybe_train(r)
+
+    def _handle(self, r: SimRank, msg: m.ControlMsg) -> None:
+        if isinstance(msg, m.RequestNewNcclId):
+            self.to_core(Timing(m.NewNcclIdGenerated(rank=r.rank, uid_bytes=UID)))
+        elif isinstance(msg, m.SetGlobalStep):
+            r.budget = msg.step_budget[r.rank] if msg.step_budget else 10**9
+        elif isinstance(msg, m.StartEpoch):
+            p = msg.plan
+            bs = self.config.schedule.batch_size
+            r.plans.append([p.epoch, p.partition_offset // bs, p.partition_size // bs, 0])
+        elif isinstance(msg, m.SyncNow):
+            self.to_core(Timing(m.SyncAck(rank=r.rank, step_count=r.step, divergence=0.01,
+                                          pre_norm=1.0, post_norm=1.0)))
+            r.steps, r.budget = 0, 0
+        elif isinstance(msg, m.ExecuteEvalCallback):
+            self._callback(r, lambda: Timing(m.EvalResult(
+                rank=r.rank, schedule_id=msg.schedule_id, epoch=msg.epoch, metric=0.9,
+                elapsed_ms=r.callback_ms)))
+        elif isinstance(msg, m.Checkpoint):
+            self._callback(r, lambda: Timing(m.CheckpointResult(
+                rank=r.rank, version=msg.version, elapsed_ms=r.callback_ms,
+                error="disk full" if r.fail_checkpoint else None)))
+        elif isinstance(msg, m.Shutdown | m.ShutdownWithSave):
+            r.exited = True
+            self.to_core(Timing(m.Exiting(rank=r.rank)))
+
+    def _callback(self, r: SimRank, result: Callable[[], Event]) -> None:
+        # a callback blocks the rank for callback_ms; its result follows
+        r.busy = True
+
+        def done() -> None:
+            r.busy = False
+            self.to_core(result())
+            self._drain(r)
+        self.at(self.now + r.callback_ms / 1000.0, done)
+
+    def _maybe_train(self, r: SimRank) -> None:
+        if r.busy or r.exited or r.silent or r.inbox:
+            return
+        if not r.plans or r.steps >= r.budget:
+            if r.idle_since is None:
+                r.idle_since = self.now
+            return
+        if r.idle_since is not None:
+            r.idle_ms += (self.now - r.idle_since) * 1000.0
+            r.idle_since = None
+        r.busy = True
+        self.at(self.now + r.ms_per_batch / 1000.0, lambda: self._batch_done(r))
+
+    def _batch_done(self, r: SimRank) -> None:
+        r.busy = False
+        if r.exited or r.silent:
+            return
+        plan = r.plans[0]
+        epoch, first, size, done = plan
+        r.trained[(epoch, first + done)] += 1
+        plan[3] += 1
+        r.step += 1
+        r.steps += 1
+        r.batches += 1
+        self.to_core(Timing(m.Batch(rank=r.rank, batch_ms=r.ms_per_batch, data_ms=0.0,
+                                    step_count=r.step, batch_loss=1.0)))
+        if plan[3] == size:
+            r.plans.popleft()
+            self.to_core(Metrics(m.MetricsMsg(
+                rank=r.rank, epoch=epoch, avg_loss=1.0, batches_processed=size,
+                epoch_ms=size * r.ms_per_batch, samples_processed=size * 8,
+                share_complete_ms=size * r.ms_per_batch, compute_only_ms=size * r.ms_per_batch,
+                scalars={"acc": m.ScalarSum(sum=0.5 * size, count=size)})))
+        self._drain(r)
+
+    # ------------------------------------------------------------------ queries
+
+    def records(self, event: str) -> list[dict[str, Any]]:
+        return [c.fields for c in self.commands if isinstance(c, Record) and c.event == event]
+
+    def refusals(self) -> list[Refuse]:
+        return [c for c in self.commands if isinstance(c, Refuse)]
+
+    def sent_of(self, cls: type[Any]) -> list[tuple[float, int | None, Any]]:
+        return [x for x in self.sent if isinstance(x[2], cls)]

@@ -1,0 +1,325 @@
+"""The worker agent's asyncio shell: NATS in and out, liveness, and the training thread.
+
+One agent per GPU (``ddpbus worker``). It joins the job (Hello on join.rank.N, Accept or
+Reject on its own consumer), then forwards every control message, in stream order, to its
+:class:`~ddpbus.worker_agent.trainer.Trainer` thread and publishes what the trainer reports.
+It never waits for a batch or a collective: beacons (Heartbeat every second on live.rank.N)
+and the coordinator-liveness watchdog keep running while the trainer is busy. A message
+that fails decoding, signing or fencing is counted, logged once per reason, and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import signal
+import socket
+import time
+from collections import Counter
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.client import JetStreamContext
+from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+
+from ddpbus.codecs import DecodeError, Decoder, Encoder
+from ddpbus.codecs import messages as m
+from ddpbus.codecs import subjects as sj
+from ddpbus.codecs.errors import ConfigError, DdpbusError
+from ddpbus.orchestrator import bus
+from ddpbus.orchestrator.provision import JobStorage, consumer_configs
+from ddpbus.worker_agent.rendezvous import NatsKVStore
+from ddpbus.worker_agent.spec import TrainSpec
+from ddpbus.worker_agent.trainer import Outcome, Trainer, TrainerSettings
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILED, EXIT_REJECTED = 0, 1, 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSettings:
+    job: str
+    rank: int
+    world_size: int
+    nats_url: str
+    key: bytes
+    out_dir: Path | None = None
+    final_state: Path | None = None
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    slowdown: float = 1.0
+    torch_threads: int | None = None
+    wire_json: bool = False
+    join_timeout: timedelta = timedelta(seconds=300)
+    heartbeat_interval: timedelta = timedelta(seconds=1)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is not in 0..{self.world_size - 1}")
+        if self.slowdown < 1.0:
+            raise ConfigError("slowdown must be >= 1 (a factor by which batches get slower)")
+
+
+def resolve_device(name: str, rank: int) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", rank % torch.cuda.device_count())
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name} requested but CUDA is not available")
+    return device
+
+
+def model_signature(model: torch.nn.Module) -> bytes:
+    """32-byte digest of every parameter and buffer name, shape and dtype."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}\n".encode())
+    return h.digest()
+
+
+class WorkerAgent:
+    def __init__(self, settings: WorkerSettings, spec: TrainSpec) -> None:
+        self.settings = settings
+        self.spec = spec
+        self.rank = settings.rank
+        self.rejected: Counter[str] = Counter()
+        self._admitted: asyncio.Future[m.Accept] | None = None
+        self._last_coordinator = time.monotonic()
+        self._done: asyncio.Future[Outcome] | None = None
+        self._floor = 0  # coordinator generation fence, from Accept
+
+    # ------------------------------------------------------------------ entry
+
+    async def run(self) -> int:
+        s = self.settings
+        if s.torch_threads:
+            torch.set_num_threads(s.torch_threads)
+        device = resolve_device(s.device, s.rank)
+        torch.manual_seed(self.spec.schedule().seed)  # same initial weights everywhere
+        trainer = Trainer(self.spec, TrainerSettings(
+            rank=s.rank, device=device, store_factory=self._store, out_dir=s.out_dir,
+            final_state=s.final_state, slowdown=s.slowdown), self._outbox_threadsafe)
+        self.trainer = trainer
+        self.loop = asyncio.get_running_loop()
+        nc = await bus.connect(s.nats_url, name=f"ddpbus-{s.job}-rank-{s.rank}",
+                               deadline=s.join_timeout)
+        try:
+            return await self._run(nc, trainer, device)
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()
+            if getattr(self, "_kv_store", None) is not None:
+                self._kv_store.close()
+
+    def _store(self) -> NatsKVStore:
+        """The rendezvous store, opened on first use by the training thread."""
+        if getattr(self, "_kv_store", None) is None:
+            self._kv_store = NatsKVStore(self.settings.nats_url, sj.kv_bucket(self.settings.job),
+                                         timeout=timedelta(seconds=300),
+                                         name=f"ddpbus-store-rank-{self.rank}")
+        return self._kv_store
+
+    async def _run(self, nc: Client, trainer: Trainer, device: torch.device) -> int:
+        s = self.settings
+        js = nc.jetstream()
+        kv = await self._wait_for_job(js)
+        self.generation = await bus.next_generation(kv, sj.rank_consumer(s.rank))
+        await self._ensure_consumer(js)
+        self.encoder = Encoder(job=s.job, key=s.key, sender=sj.rank_consumer(s.rank),
+                               generation=self.generation, wire_json=s.wire_json)
+        self.decoder = Decoder(job=s.job, key=s.key,
+                               generation_floor=lambda sender: self._floor
+                               if sender == sj.COORDINATOR else 0)
+        self.nc, self.publisher = nc, bus.Publisher(js)
+        self._admitted = self.loop.create_future()
+        self._done = self.loop.create_future()
+        reader = bus.StreamReader(nc, sj.stream_name(s.job), sj.rank_consumer(s.rank),
+                                  self._on_control)
+        live = await nc.subscribe(sj.LIVE_COORDINATOR.subject(s.job), cb=self._on_live)
+        tasks = [asyncio.create_task(c, name=n) for c, n in (
+            (self.publisher.run(), "publisher"), (reader.run(), "control-reader"),
+            (self._beacon(), "heartbeat"))]
+        self._install_signals()
+        try:
+            return await self._lifecycle(trainer, device)
+        finally:
+            await live.unsubscribe()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _lifecycle(self, trainer: Trainer, device: torch.device) -> int:
+        s = self.settings
+        self._send(m.Hello(rank=s.rank, generation=self.generation, host=socket.gethostname(),
+                           device=str(device), model_signature=model_signature(trainer.model),
+                           world_size=s.world_size, pid=os.getpid(),
+                           backend="nccl" if device.type == "cuda" else "gloo",
+                           torch_version=torch.__version__, dataset_size=len(trainer.dataset)))
+        log.info("rank %d: hello sent (generation %d, %s)", s.rank, self.generation, device)
+        accept = await self._await_admission()
+        if accept is None:
+            return EXIT_REJECTED
+        trainer.configure(accept.run, accept.world_size)
+        self._coordinator_timeout = accept.run.coordinator_timeout_s
+        trainer.on_done = self._trainer_done
+        trainer.start()
+        watchdog = asyncio.create_task(self._watch_coordinator(), name="coordinator-watchdog")
+        try:
+            outcome = await self._done_future()
+        finally:
+            watchdog.cancel()
+        trainer.join(timeout=30)
+        if outcome.clean:
+            self._send(m.Exiting(rank=s.rank))
+        flushed = await self.publisher.flush(30.0)
+        log.info("rank %d: %s (%s)", s.rank, "exiting" if outcome.clean else "failed",
+                 outcome.reason)
+        if not flushed:
+            log.error("rank %d: some reports were not stored before exit", s.rank)
+        return EXIT_OK if outcome.clean and flushed else EXIT_FAILED
+
+    def _done_future(self) -> asyncio.Future[Outcome]:
+        if self._done is None:
+            raise DdpbusError("agent not started")
+        return self._done
+
+    async def _await_admission(self) -> m.Accept | None:
+        if self._admitted is None:
+            raise DdpbusError("agent not started")
+        try:
+            accept = await asyncio.wait_for(self._admitted,
+                                            self.settings.join_timeout.total_seconds())
+        except TimeoutError:
+            log.error("rank %d: no Accept within %s (is the coordinator running?)",  # noqa: TRY400
+                      self.rank, self.settings.join_timeout)
+            return None
+        except DdpbusError as exc:
+            log.error("rank %d: %s", self.rank, exc)  # noqa: TRY400 - the reason, said once
+            return None
+        self._floor = accept.coordinator_generation
+        log.info("rank %d: admitted (coordinator generation %d, %s/%s)", self.rank,
+                 accept.coordinator_generation, accept.run.policy.value,
+                 accept.run.backend.value)
+        return accept
+
+    # -------------------------------------------------------------- messaging
+
+    async def _wait_for_job(self, js: JetStreamContext) -> KeyValue:
+        """The job's stream and bucket are made by the coordinator (or init-job)."""
+        deadline = time.monotonic() + self.settings.join_timeout.total_seconds()
+        stream = sj.stream_name(self.settings.job)
+        while True:
+            try:
+                await js.stream_info(stream)
+                return await js.key_value(sj.kv_bucket(self.settings.job))
+            except (NotFoundError, BucketNotFoundError):
+                if time.monotonic() > deadline:
+                    raise DdpbusError(f"job {self.settings.job!r} has no stream {stream}; "
+                                      "start its coordinator or `ddpbus init-job`") from None
+                await asyncio.sleep(0.2)
+
+    async def _ensure_consumer(self, js: JetStreamContext) -> None:
+        config = consumer_configs(self.settings.job, self.rank + 1, JobStorage())[-1]
+        await js.add_consumer(sj.stream_name(self.settings.job), config)
+
+    def _send(self, msg: m.Message) -> None:
+        s = self.settings
+        if isinstance(msg, m.MetricsMsg):
+            subject = sj.METRICS_RANK.subject(s.job, s.rank)
+        elif isinstance(msg, m.Hello | m.Rejoin):
+            subject = sj.JOIN_RANK.subject(s.job, s.rank)
+        else:
+            subject = sj.TIMING_RANK.subject(s.job, s.rank)
+        self.publisher.submit(self.encoder.encode(subject, msg))
+
+    def _outbox_threadsafe(self, msg: m.Message) -> None:
+        self.loop.call_soon_threadsafe(self._send, msg)
+
+    def _trainer_done(self, outcome: Outcome) -> None:
+        def settle() -> None:
+            if self._done is not None and not self._done.done():
+                self._done.set_result(outcome)
+        self.loop.call_soon_threadsafe(settle)
+
+    def _refused(self, exc: DecodeError) -> None:
+        self.rejected[exc.reason] += 1
+        if self.rejected[exc.reason] == 1:
+            log.warning("rank %d: dropped a message (%s); further %s drops are counted only",
+                        self.rank, exc, exc.reason)
+
+    async def _on_control(self, msg: Msg) -> None:
+        try:
+            env = self.decoder.decode(msg.subject, msg.headers, msg.data)
+        except DecodeError as exc:
+            self._refused(exc)
+            return
+        self._last_coordinator = time.monotonic()
+        body = env.message
+        if isinstance(body, m.Accept | m.Reject):
+            self._on_admit(body)
+        elif isinstance(body, m.CoordHeartbeat):
+            return
+        elif isinstance(body, m.ControlMsg):
+            self.trainer.inbox.put(body)
+
+    def _on_admit(self, body: m.Accept | m.Reject) -> None:
+        fut = self._admitted
+        if body.generation != self.generation or fut is None or fut.done():
+            log.info("rank %d: ignoring %s for generation %d", self.rank, type(body).__name__,
+                     body.generation)
+            return
+        if isinstance(body, m.Reject):
+            fut.set_exception(DdpbusError(f"rejected by the coordinator: {body.reason}"))
+        else:
+            fut.set_result(body)
+
+    async def _on_live(self, msg: Msg) -> None:
+        try:
+            env = self.decoder.decode(msg.subject, msg.headers, msg.data)
+        except DecodeError as exc:
+            self._refused(exc)
+            return
+        if isinstance(env.message, m.CoordHeartbeat):
+            self._last_coordinator = time.monotonic()
+
+    async def _beacon(self) -> None:
+        s = self.settings
+        subject = sj.LIVE_RANK.subject(s.job, s.rank)
+        while True:
+            out = self.encoder.encode(subject, m.Heartbeat(rank=s.rank,
+                                                           step_count=self.trainer.step))
+            with contextlib.suppress(Exception):
+                await bus.publish_core(self.nc, out)
+            await asyncio.sleep(s.heartbeat_interval.total_seconds())
+
+    async def _watch_coordinator(self) -> None:
+        limit = self._coordinator_timeout
+        while True:
+            await asyncio.sleep(min(1.0, limit / 4))
+            silent = time.monotonic() - self._last_coordinator
+            if silent > limit:
+                log.error("rank %d: no word from the coordinator for %.0fs; giving up",
+                          self.rank, silent)
+                self.trainer.halt(f"coordinator silent for {silent:.0f}s", clean=False)
+                return
+
+    def _install_signals(self) -> None:
+        def stop(signum: int) -> None:
+            log.info("rank %d: %s: finishing the current step, then exiting", self.rank,
+                     signal.Signals(signum).name)
+            self.trainer.halt(f"stopped by {signal.Signals(signum).name}", clean=True)
+            if self._admitted is not None and not self._admitted.done():
+                self._admitted.set_exception(DdpbusError("stopped before admission"))
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                self.loop.add_signal_handler(sig, stop, sig)

@@ -1,0 +1,402 @@
+"""The training thread of a worker agent: plans, batches, averages and callbacks.
+
+The agent's asyncio loop receives control messages and puts them into :attr:`Trainer.inbox`
+in stream order; this thread takes them out between batches (never during one), so the
+NATS side never waits for a batch or a collective. Rules it keeps:
+
+- it trains only inside an open window: SetGlobalStep opens one with a per-rank step
+  budget, SyncNow closes it; it never takes more steps than the budget;
+- it trains exactly the samples of each plan (StartEpoch / ExtendPartition), batch by batch,
+  and reports a Batch after every batch and a MetricsMsg after every plan;
+- its data clock stops while a callback runs (callback time is never read as slowness).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store  # typed re-exports of dist.*
+
+from ddpbus.codecs import messages as m
+from ddpbus.worker_agent import averaging, callbacks
+from ddpbus.worker_agent.data import BatchFetcher, plan_indices
+from ddpbus.worker_agent.spec import (
+    ScalarLedger,
+    TrainSpec,
+    WorkerContext,
+    bind_context,
+    bind_ledger,
+)
+
+log = logging.getLogger(__name__)
+
+Outbox = Callable[[m.Message], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Halt:
+    """Put into the inbox by the agent: stop at the next batch boundary."""
+
+    reason: str
+    clean: bool  # True: exit like a Shutdown (say Exiting); False: an error exit
+
+
+@dataclass(slots=True)
+class Outcome:
+    clean: bool
+    reason: str
+    save_reason: m.SaveReason | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerSettings:
+    rank: int
+    device: torch.device
+    store_factory: Callable[[], Store]
+    out_dir: Path | None = None
+    final_state: Path | None = None
+    slowdown: float = 1.0  # simulate a slower device: every batch takes this many times longer
+
+
+@dataclass(slots=True)
+class Plan:
+    """One EpochPlan being trained: its sample indices and running totals for MetricsMsg."""
+
+    epoch: int
+    indices: np.ndarray[Any, np.dtype[np.int64]]
+    batch_size: int
+    pos: int = 0
+    batches: int = 0
+    loss_sum: float = 0.0
+    compute_ms: float = 0.0
+    data_ms: float = 0.0
+    started_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.pos + self.batch_size > len(self.indices)
+
+    def take(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        out = self.indices[self.pos:self.pos + self.batch_size]
+        self.pos += self.batch_size
+        return out
+
+
+@dataclass
+class _Window:
+    open: bool = False
+    budget: int = 0
+    steps: int = 0  # optimizer steps since the last average
+
+
+class Trainer(threading.Thread):
+    """Owns the model, the optimizer and the process group of one rank."""
+
+    def __init__(self, spec: TrainSpec, settings: TrainerSettings, outbox: Outbox) -> None:
+        super().__init__(name=f"ddpbus-trainer-{settings.rank}", daemon=True)
+        self.spec, self.settings, self.outbox = spec, settings, outbox
+        self.rank = settings.rank
+        self.inbox: queue.SimpleQueue[m.ControlMsg | Halt] = queue.SimpleQueue()
+        self.device = settings.device
+        self.dataset = spec.build_dataset()
+        self.eval_dataset = spec.build_eval_dataset()
+        self.fetch = BatchFetcher(self.dataset, spec.collate_fn)
+        self.model = spec.model().to(self.device)
+        self.flat = averaging.FlatModel(self.model)
+        self.optimizer = spec.optimizer(self.model.parameters())
+        self.run_config: m.RunConfig | None = None
+        self.world_size = 0
+        self.ctx = WorkerContext(rank=self.rank, world_size=0, model=self.model,
+                                 optimizer=self.optimizer)
+        self.ledger = ScalarLedger()
+        self.plans: deque[Plan] = deque()
+        self.window = _Window()
+        self.step = 0
+        self.global_step = 0
+        self.epoch: int | None = None
+        self.epoch_fn_role: int | None = None
+        self.group_ready = False
+        self.sessions = 0
+        self.throttled = False
+        self.ready_at = time.perf_counter()
+        self.outcome: Outcome | None = None
+        self.on_done: Callable[[Outcome], None] = lambda _o: None
+        self._schedule: Callable[[int], float] | None = None
+        self._lr_scale = 1.0
+        self._group_ratios: list[float] = []
+        self._last_lr: float | None = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def configure(self, run: m.RunConfig, world_size: int) -> None:
+        """The run settings from Accept (before the thread starts)."""
+        if len(self.dataset) != run.dataset_size:
+            raise ValueError(f"this rank's dataset has {len(self.dataset)} samples, the run "
+                             f"{run.dataset_size}")
+        self.run_config, self.world_size = run, world_size
+        self.ctx.world_size = world_size
+        self._lr_scale = 1.0 + (world_size - 1) * run.lr_scale_ratio
+        base = [float(g["lr"]) for g in self.optimizer.param_groups]
+        self._group_ratios = [b / base[0] if base[0] else 1.0 for b in base]
+        if self.spec.lr_scheduler is not None:
+            self._schedule = self.spec.lr_scheduler(world_size)
+        else:
+            for g in self.optimizer.param_groups:
+                g["lr"] = float(g["lr"]) * self._lr_scale
+        torch.manual_seed(run.seed + 1 + self.rank)  # per-rank randomness (dropout, ...)
+
+    def halt(self, reason: str, *, clean: bool) -> None:
+        self.inbox.put(Halt(reason=reason, clean=clean))
+
+    def run(self) -> None:
+        bind_context(self.ctx)
+        bind_ledger(self.ledger)
+        try:
+            self.outcome = self._loop()
+        except Exception as exc:  # a failure ends the rank; it must not say Exiting
+            log.exception("rank %d: training failed", self.rank)
+            self.outcome = Outcome(clean=False, reason=f"{type(exc).__name__}: {exc}")
+        finally:
+            self._leave_group()
+            self.on_done(self.outcome or Outcome(clean=False, reason="stopped"))
+
+    # -------------------------------------------------------------------- loop
+
+    def _can_train(self) -> bool:
+        w = self.window
+        return (self.group_ready and w.open and w.steps < w.budget and bool(self.plans)
+                and not self.throttled)
+
+    def _loop(self) -> Outcome:
+        while True:
+            while True:
+                try:
+                    msg = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if (done := self._handle(msg)) is not None:
+                    return done
+            if self._can_train():
+                self._train_batch()
+                continue
+            if (done := self._handle(self.inbox.get())) is not None:
+                return done
+
+    def _handle(self, msg: m.ControlMsg | Halt) -> Outcome | None:
+        if isinstance(msg, Halt):
+            return Outcome(clean=msg.clean, reason=msg.reason)
+        handler = _HANDLERS.get(type(msg))
+        if handler is None:
+            return callbacks.handle(self, msg)
+        return handler(self, msg)
+
+    # ---------------------------------------------------------- control messages
+
+    def _on_session(self, msg: m.NewNcclSession) -> None:
+        run = self._run()
+        self._leave_group()
+        backend = "nccl" if run.backend is m.Backend.NCCL else "gloo"
+        prefix = f"pg/{msg.uid_bytes[:16].hex()}/"
+        timeout = timedelta(seconds=run.coordinator_timeout_s + 30.0)
+        kwargs: dict[str, Any] = {}
+        if backend == "nccl":
+            kwargs["device_id"] = self.device
+        dist.init_process_group(backend, store=PrefixStore(prefix, self.settings.store_factory()),
+                                rank=msg.new_rank, world_size=msg.new_world_size,
+                                timeout=timeout, **kwargs)
+        if self.sessions == 0:
+            averaging.broadcast_from_root(self.flat)  # every replica starts from rank 0's
+        self.sessions += 1
+        self.group_ready = True
+        self.ready_at = time.perf_counter()
+        log.info("rank %d: session %d formed (%s, rank %d of %d)", self.rank, self.sessions,
+                 backend, msg.new_rank, msg.new_world_size)
+
+    def _leave_group(self) -> None:
+        if self.group_ready and dist.is_initialized():
+            dist.destroy_process_group()
+        self.group_ready = False
+
+    def _on_declare_dead(self, msg: m.DeclareDead) -> None:
+        log.warning("rank %d: rank %d declared dead; leaving the process group until a new "
+                    "session", self.rank, msg.rank)
+        self._leave_group()
+
+    def _on_request_id(self, _msg: m.RequestNewNcclId) -> None:
+        self.outbox(m.NewNcclIdGenerated(rank=self.rank, uid_bytes=os.urandom(m.NCCL_ID_BYTES)))
+
+    def _on_global_step(self, msg: m.SetGlobalStep) -> None:
+        self.global_step = msg.global_step
+        self.ctx.global_step = msg.global_step
+        w = self.window
+        w.open = True
+        w.budget = msg.step_budget[self.rank] if self.rank < len(msg.step_budget) else (
+            2**62 if not msg.step_budget else 0)
+
+    def _on_start_epoch(self, msg: m.StartEpoch) -> None:
+        run = self._run()
+        p = msg.plan
+        idx = plan_indices(run.dataset_size, run.seed, p.epoch, p.partition_offset,
+                           p.partition_size)
+        self.plans.append(Plan(epoch=p.epoch, indices=idx, batch_size=run.batch_size))
+
+    def _on_extend(self, msg: m.ExtendPartition) -> None:
+        run = self._run()
+        epoch = self.plans[-1].epoch if self.plans else (self.epoch or 0)
+        extra = plan_indices(run.dataset_size, run.seed, epoch, msg.partition_offset,
+                             msg.partition_size)
+        if self.plans and self.plans[-1].epoch == epoch:
+            last = self.plans[-1]
+            last.indices = np.concatenate([last.indices, extra])
+        else:
+            self.plans.append(Plan(epoch=epoch, indices=extra, batch_size=run.batch_size))
+
+    def _on_sync(self, _msg: m.SyncNow) -> None:
+        if not self.group_ready:
+            raise RuntimeError("SyncNow before a communicator session was formed")
+        run = self._run()
+        result = averaging.average(self.flat, self.window.steps, gamma=run.gamma,
+                                   measure=run.policy is not m.Policy.SYNC, device=self.device)
+        self.outbox(m.SyncAck(rank=self.rank, step_count=self.step,
+                              divergence=result.divergence, post_norm=result.post_norm,
+                              pre_norm=result.pre_norm))
+        self.window = _Window()  # closed until the SetGlobalStep that follows
+        self.throttled = False
+        self.ready_at = time.perf_counter()
+
+    def _on_throttle(self, _msg: m.Throttle) -> None:
+        self.throttled = True  # until SyncNow, Update or Shutdown
+
+    def _on_role(self, msg: m.SetEpochCallbackRole) -> None:
+        self.epoch_fn_role = msg.rank
+
+    def _on_aggregated(self, msg: m.EpochAggregated) -> None:
+        self.ctx.latest_metrics = msg.metrics
+
+    def _on_eval_broadcast(self, msg: m.EvalBroadcast) -> None:
+        self.ctx.last_eval = (msg.epoch, msg.metric)
+
+    def _run(self) -> m.RunConfig:
+        if self.run_config is None:
+            raise RuntimeError("control message before the run configuration (Accept)")
+        return self.run_config
+
+    # ------------------------------------------------------------------ training
+
+    def _set_lr(self) -> float:
+        if self._schedule is None:
+            return float(self.optimizer.param_groups[0]["lr"])
+        lr = float(self._schedule(self.global_step + self.window.steps)) * self._lr_scale
+        for g, ratio in zip(self.optimizer.param_groups, self._group_ratios, strict=True):
+            g["lr"] = lr * ratio
+        return lr
+
+    def _train_batch(self) -> None:
+        plan = self.plans[0]
+        if plan.epoch != self.epoch:
+            self._enter_epoch(plan.epoch)
+        run = self._run()
+        t0 = time.perf_counter()
+        if plan.started_at is None:
+            plan.started_at = t0
+        batch = _to_device(self.fetch(plan.take()), self.device)
+        t1 = time.perf_counter()
+        lr = self._set_lr()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.spec.train_step(self.model, batch)
+        loss.backward()  # type: ignore[no-untyped-call]
+        if self.spec.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm)
+        self.optimizer.step()
+        loss_value = float(loss.detach())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+        if self.settings.slowdown > 1.0:
+            time.sleep((t2 - t1) * (self.settings.slowdown - 1.0))
+            t2 = time.perf_counter()
+        batch_ms, data_ms = (t2 - t1) * 1000.0, max(0.0, (t1 - self.ready_at) * 1000.0)
+        self.step += 1
+        self.window.steps += 1
+        self.ctx.local_step = self.step
+        every = run.param_norm_every
+        norm = math.sqrt(sum(float(f.double().pow(2).sum()) for f in self.flat.flats)) \
+            if every and self.step % every == 0 else None
+        self.outbox(m.Batch(rank=self.rank, batch_ms=batch_ms, data_ms=data_ms,
+                            step_count=self.step, param_norm=norm,
+                            batch_loss=loss_value if math.isfinite(loss_value) else None))
+        if lr != self._last_lr:
+            self._last_lr = lr
+            self.outbox(m.LrUpdate(rank=self.rank, lr=lr))
+        plan.batches += 1
+        plan.loss_sum += loss_value
+        plan.compute_ms += batch_ms
+        plan.data_ms += data_ms
+        if plan.done:
+            self._finish_plan(plan, t2)
+        self.send_intents()
+        self.ready_at = t2
+
+    def _finish_plan(self, plan: Plan, now: float) -> None:
+        self.plans.popleft()
+        run = self._run()
+        self.outbox(m.MetricsMsg(
+            rank=self.rank, epoch=plan.epoch,
+            avg_loss=plan.loss_sum / plan.batches if plan.batches else math.nan,
+            batches_processed=plan.batches,
+            epoch_ms=(now - (plan.started_at or now)) * 1000.0,
+            samples_processed=plan.batches * run.batch_size,
+            share_complete_ms=plan.compute_ms + plan.data_ms,
+            compute_only_ms=plan.compute_ms, data_starve_ms=plan.data_ms,
+            scalars=self.ledger.drain()))
+
+    def _enter_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.ctx.epoch = epoch
+        if self.spec.epoch_fn is not None and self.epoch_fn_role == self.rank:
+            callbacks.run_epoch_fn(self, epoch)
+
+    def send_intents(self) -> None:
+        while self.ctx.intents:
+            self.outbox(m.Intent(rank=self.rank, kind=self.ctx.intents.pop(0)))
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, tuple | list):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+_HANDLERS: dict[type[Any], Callable[[Trainer, Any], Outcome | None]] = {
+    m.NewNcclSession: Trainer._on_session,
+    m.DeclareDead: Trainer._on_declare_dead,
+    m.RequestNewNcclId: Trainer._on_request_id,
+    m.SetGlobalStep: Trainer._on_global_step,
+    m.StartEpoch: Trainer._on_start_epoch,
+    m.ExtendPartition: Trainer._on_extend,
+    m.SyncNow: Trainer._on_sync,
+    m.Throttle: Trainer._on_throttle,
+    m.SetEpochCallbackRole: Trainer._on_role,
+    m.EpochAggregated: Trainer._on_aggregated,
+    m.EvalBroadcast: Trainer._on_eval_broadcast,
+}
