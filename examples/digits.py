@@ -1,7 +1,7 @@
 """Handwritten digits with ddpbus: ``ddpbus run examples/digits.py:spec --workers 2``.
 
 scikit-learn's bundled digits (1,797 real 8x8 handwritten digits, no download), split once
-into 1,437 training and 360 held-out test images with a fixed seed. A small MLP, SGD with
+into 1,438 training and 359 held-out test images with a fixed seed. A small MLP, SGD with
 momentum and a cosine LR schedule; the eval metric is test accuracy. Copy this file to
 start your own spec: everything ddpbus needs is the ``spec`` object at the bottom.
 """

@@ -110,9 +110,13 @@ def maybe_average(s: State, now: float, out: Out) -> None:
     alive = s.alive
     if not alive or not all(r.acked for r in alive) or not all(_satisfied(r) for r in alive):
         return
-    if not any(r.steps > 0 for r in alive):
-        return  # no empty reduces
-    sync(s, now, out)
+    if any(r.steps > 0 for r in alive):
+        sync(s, now, out)
+    elif not _pool(s, s.epoch).trained:
+        return  # no empty reduces, and nothing to move on to
+    # (an epoch can end with nobody moved since the last average: under async a rank may
+    # train its last batch just before the SyncNow that averages it in; then the boundary
+    # and the next window follow without another reduce)
     callbacks.boundaries(s, now, out)
     open_window(s, now, out)
 

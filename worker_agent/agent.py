@@ -147,8 +147,8 @@ class WorkerAgent:
                                   self._on_control)
         live = await nc.subscribe(sj.LIVE_COORDINATOR.subject(s.job), cb=self._on_live)
         tasks = [asyncio.create_task(c, name=n) for c, n in (
-            (self.publisher.run(), "publisher"), (reader.run(), "control-reader"),
-            (self._beacon(), "heartbeat"))]
+            (self.publisher.run(), "publisher"), (reader.run(), "control-reader"))]
+        self._tasks = tasks
         self._install_signals()
         try:
             return await self._lifecycle(trainer, device)
@@ -169,6 +169,8 @@ class WorkerAgent:
         accept = await self._await_admission()
         if accept is None:
             return EXIT_REJECTED
+        # beacons start once admitted: before that the coordinator does not know this rank
+        self._tasks.append(asyncio.create_task(self._beacon(), name="heartbeat"))
         trainer.configure(accept.run, accept.world_size)
         self._coordinator_timeout = accept.run.coordinator_timeout_s
         trainer.on_done = self._trainer_done

@@ -1,0 +1,166 @@
+"""Run a real job for a test: the same `ddpbus coordinator` / `ddpbus worker` commands a
+cluster runs, as OS processes, against the test's own nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddpbus.codecs import Decoder
+from ddpbus.codecs import subjects as sj
+from ddpbus.orchestrator.bus import connect
+
+ROOT = Path(__file__).resolve().parents[2]
+SPECS = Path(__file__).resolve().parent / "specs"
+CLI = [sys.executable, "-m", "ddpbus.orchestrator.cli"]
+KEY = b"integration-test-job-key-0123456789"
+
+
+def spec(name: str) -> str:
+    return f"{SPECS / name}.py:spec"
+
+
+@dataclass
+class Job:
+    name: str
+    url: str
+    tmp: Path
+    workers: int
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def out(self) -> Path:
+        return self.tmp / "out"
+
+    def log(self, proc: str) -> str:
+        path = self.tmp / f"{proc}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def wait(self, timeout: float = 180.0) -> dict[str, Any]:
+        """Every process exits; returns the coordinator's summary. Fails with the logs."""
+        deadline = time.monotonic() + timeout
+        for name, p in self.procs.items():
+            try:
+                p.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise AssertionError(f"{name} still running after {timeout}s\n"
+                                     + self.dump()) from None
+        codes = {n: p.returncode for n, p in self.procs.items()}
+        summary_file = self.tmp / "summary.json"
+        if any(codes.values()) or not summary_file.exists():
+            raise AssertionError(f"exit codes {codes}\n" + self.dump())
+        return dict(json.loads(summary_file.read_text()))
+
+    def dump(self) -> str:
+        return "\n".join(f"----- {n}\n{self.log(n)[-3000:]}" for n in self.procs)
+
+    def kill(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+    def events(self) -> list[dict[str, Any]]:
+        path = self.tmp / "events.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() \
+            else []
+
+
+def start_job(url: str, tmp: Path, spec_ref: str, *, workers: int = 2, job: str = "t",
+              coordinator_args: list[str] | None = None,
+              worker_args: dict[int, list[str]] | None = None,
+              env: dict[str, str] | None = None, final_state: bool = True) -> Job:
+    tmp.mkdir(parents=True, exist_ok=True)
+    key_file = tmp / "job.key"
+    key_file.write_bytes(KEY)
+    common = ["--job", job, "--nats", url, "--key-file", str(key_file), "--world-size",
+              str(workers)]
+    run = Job(job, url, tmp, workers)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
+    environ |= env or {}
+
+    def spawn(name: str, argv: list[str]) -> None:
+        log = (tmp / f"{name}.log").open("wb")
+        run.procs[name] = subprocess.Popen([*CLI, *argv], stdout=log, stderr=subprocess.STDOUT,
+                                           env=environ, cwd=ROOT)
+        log.close()
+
+    spawn("coordinator", ["coordinator", *common, "--summary", str(tmp / "summary.json"),
+                          "--events", str(tmp / "events.jsonl"), *(coordinator_args or []),
+                          spec_ref])
+    for rank in range(workers):
+        extra = list((worker_args or {}).get(rank, []))
+        if final_state:
+            extra += ["--final-state", str(run.out / f"rank{rank}.final.safetensors")]
+        spawn(f"rank-{rank}", ["worker", *common, "--rank", str(rank), "--out", str(run.out),
+                               "--torch-threads", "1", *extra, spec_ref])
+    return run
+
+
+def stream_types(url: str, job: str) -> Counter[str]:
+    """Ddpbus-Type of every message the job's stream holds (verified with the job key)."""
+
+    async def read() -> Counter[str]:
+        nc = await connect(url, name="stream-reader")
+        js = nc.jetstream()
+        decoder = Decoder(job=job, key=KEY)
+        info = await js.stream_info(sj.stream_name(job))
+        sub = await js.pull_subscribe(f"{sj.PREFIX}.{job}.>", stream=sj.stream_name(job))
+        seen: Counter[str] = Counter()
+        left = info.state.messages
+        while left > 0:
+            for msg in await sub.fetch(min(left, 500), timeout=5):
+                env = decoder.decode(msg.subject, msg.headers, msg.data)
+                seen[env.msg_type] += 1
+                left -= 1
+        await nc.close()
+        return seen
+
+    return asyncio.run(read())
+
+
+class LiveTap:
+    """Counts the (core NATS, never stored) live.* beacons of a job while it runs."""
+
+    def __init__(self, url: str, job: str) -> None:
+        self.url, self.job = url, job
+        self.seen: Counter[str] = Counter()
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        nc = await connect(self.url, name="live-tap")
+        decoder = Decoder(job=self.job, key=KEY)
+
+        async def on(msg: Any) -> None:
+            self.seen[decoder.decode(msg.subject, msg.headers, msg.data).msg_type] += 1
+
+        await nc.subscribe(f"{sj.PREFIX}.{self.job}.live.>", cb=on)
+        await nc.flush()
+        self._ready.set()
+        await self._stop.wait()
+        await nc.close()
+
+    def __enter__(self) -> LiveTap:
+        self._thread.start()
+        self._ready.wait(30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)

@@ -1,0 +1,159 @@
+"""End-to-end training: real nats-server, real coordinator and worker processes, gloo.
+
+Each test runs the commands a cluster runs (`ddpbus coordinator`, `ddpbus worker`) and checks
+the outcome that matters: parameters equal to torch DDP's, every sample of every epoch
+trained exactly once, replicas identical, accuracy, batch shares under a slow rank, and every
+message variant of these flows seen on the wire.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from jobs import SPECS, LiveTap, spec, start_job, stream_types
+from safetensors.torch import load_file
+
+from ddpbus.orchestrator.broker import EmbeddedBroker
+from ddpbus.worker_agent.data import epoch_permutation
+from ddpbus.worker_agent.spec import load_spec
+
+pytestmark = pytest.mark.timeout(300)
+
+N_TRAIN = 1438  # digits training split (1797 - 359 held out)
+BATCH = 32
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def _same_replicas(out: Path, workers: int) -> dict[str, torch.Tensor]:
+    states = [load_file(str(out / f"rank{r}.final.safetensors")) for r in range(workers)]
+    for other in states[1:]:
+        assert other.keys() == states[0].keys()
+        for k in states[0]:
+            assert torch.equal(states[0][k], other[k]), f"replicas differ at {k}"
+    return states[0]
+
+
+def test_sync_policy_matches_torch_ddp(broker: EmbeddedBroker, tmp_path: Path) -> None:
+    job = start_job(broker.url, tmp_path, spec("parity"))
+    summary = job.wait()
+    assert summary["ok"], summary
+    assert summary["rounds"] == summary["global_step"] // 2 == 44  # one step per average
+    ours = _same_replicas(job.out, 2)
+    consensus = load_file(str(job.out / "consensus.safetensors"))
+    store, ref = tmp_path / "ddp.store", tmp_path / "ddp.safetensors"
+    procs = [subprocess.Popen([sys.executable, str(SPECS.parent / "ddp_reference.py"), str(r),
+                               "2", str(store), str(ref)], stderr=subprocess.PIPE)
+             for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode()
+    theirs = load_file(str(ref))
+    assert ours.keys() == theirs.keys()
+    for k in theirs:
+        assert _rel_err(ours[k], theirs[k]) <= 1e-5, k
+        assert torch.equal(consensus[k], ours[k])
+    # and the run really moved: parameters are far from the initial ones
+    torch.manual_seed(7)
+    init = load_spec(spec("parity")).model().state_dict()
+    assert all(_rel_err(ours[k], init[k]) > 1e-3 for k in init)
+
+
+def _ledger(path: Path) -> list[tuple[int, int]]:
+    pairs = []
+    for file in path.glob("rank-*.txt"):
+        for line in file.read_text().splitlines():
+            epoch, index = line.split()
+            pairs.append((int(epoch), int(index)))
+    return pairs
+
+
+@pytest.mark.parametrize("progressive", [True, False], ids=["progressive", "partitions"])
+@pytest.mark.parametrize("policy", ["sync", "cadence", "async"])
+def test_every_sample_once_converges_and_replicas_agree(broker: EmbeddedBroker,
+                                                         tmp_path: Path, policy: str,
+                                                         progressive: bool) -> None:
+    ledger = tmp_path / "ledger"
+    ledger.mkdir()
+    job = start_job(broker.url, tmp_path, spec("ledger"), job=f"cov-{policy}",
+                    coordinator_args=["--policy", policy, "--knob",
+                                      f"progressive={str(progressive).lower()}"],
+                    env={"LEDGER_DIR": str(ledger)})
+    summary = job.wait()
+    assert summary["ok"], summary
+    assert summary["policy"] == policy
+    assert summary["progressive"] is progressive
+    trained = Counter(_ledger(ledger))
+    per_epoch = (N_TRAIN // BATCH) * BATCH
+    for epoch in range(20):
+        expected = set(epoch_permutation(N_TRAIN, 42, epoch)[:per_epoch].tolist())
+        got = {i for (e, i) in trained if e == epoch}
+        assert got == expected, f"epoch {epoch}: {len(expected ^ got)} samples differ"
+    assert set(trained.values()) == {1}, "a sample was trained twice in one epoch"
+    assert summary["test_accuracy"] >= 0.95, summary["eval"]
+    _same_replicas(job.out, 2)
+
+
+def test_slow_rank_under_cadence_and_sync(broker: EmbeddedBroker, tmp_path: Path) -> None:
+    shares = {}
+    for policy in ("cadence", "sync"):
+        job = start_job(broker.url, tmp_path / policy, spec("hetero"), job=f"het-{policy}",
+                        coordinator_args=["--policy", policy],
+                        worker_args={1: ["--slowdown", "2.5"]}, final_state=False)
+        shares[policy] = job.wait()
+    cadence, sync = shares["cadence"], shares["sync"]
+    ratio = cadence["batches"]["0"] / cadence["batches"]["1"]
+    assert 2.5 * 0.8 <= ratio <= 2.5 * 1.2, cadence["batches"]
+    assert cadence["rounds"] * 10 < sync["rounds"]
+    # sync: equal work, so the fast rank computes ~1/2.5 of the time and idles the rest
+    assert sync["batches"]["0"] == sync["batches"]["1"]
+    assert sync["compute_ms"]["0"] < 0.6 * sync["compute_ms"]["1"], sync["compute_ms"]
+
+
+TIMING = {"Batch", "SyncAck", "Exiting", "LrUpdate", "NewNcclIdGenerated", "EvalResult",
+          "CheckpointResult", "EpochFnElapsed", "Intent"}
+CONTROL = {"SyncNow", "StartEpoch", "RequestNewNcclId", "NewNcclSession", "SetGlobalStep",
+           "Checkpoint", "ExecuteEvalCallback", "SetEpochCallbackRole", "Shutdown",
+           "EpochAggregated", "EvalBroadcast", "SaveConsensusModel"}
+
+
+def test_callbacks_failover_and_every_variant_on_the_wire(broker: EmbeddedBroker,
+                                                          tmp_path: Path) -> None:
+    cb = tmp_path / "cb"
+    cb.mkdir()
+    with LiveTap(broker.url, "cbk") as tap:
+        job = start_job(broker.url, tmp_path, spec("callbacks"), job="cbk",
+                        env={"CALLBACK_DIR": str(cb)})
+        summary = job.wait()
+    assert summary["ok"], summary
+    seen = stream_types(broker.url, "cbk")
+    assert {f"TimingMsg.{t}" for t in TIMING} <= set(seen), seen
+    assert {f"ControlMsg.{t}" for t in CONTROL} <= set(seen), seen
+    assert {"MetricsMsg", "JoinMsg.Hello", "AdmitMsg.Accept"} <= set(seen)
+    assert tap.seen["TimingMsg.Heartbeat"] >= 2
+    assert tap.seen["ControlMsg.CoordHeartbeat"] >= 1
+    events = job.events()
+    kinds = [e["event"] for e in events]
+    # the first checkpoint failed and moved to the next rank, then all versions landed
+    failed = [e for e in events if e["event"] == "checkpoint-failed"]
+    assert len(failed) == 1
+    assert failed[0]["version"] == 2
+    assert "checkpoint-failover" in kinds
+    assert {p.name for p in cb.glob("user-checkpoint-v*.pt")} == {
+        "user-checkpoint-v2.pt", "user-checkpoint-v3.pt", "user-checkpoint-v4.pt"}
+    # evals: epoch 1 (eval_every 2, and the intent from epoch_fn) and the last epoch
+    assert [e["epoch"] for e in summary["eval"]] == [1, 3]
+    fired = sorted(int(x) for f in cb.glob("epoch-fn-rank-*.txt")
+                   for x in f.read_text().split())
+    assert fired == [0, 1, 2, 3]  # once per epoch, cluster-wide
+    assert "intent" in kinds
+    assert (job.out / "consensus.safetensors").exists()
+    assert summary["refused"] == {}
+    assert summary["decode_rejections"] == {}
