@@ -32,8 +32,9 @@ pytest: install
 
 test: lint typecheck pytest
 
+# trains examples/digits.py on 2 CPU workers over the embedded broker and prints the result
 demo: install
-	$(PY) examples/wire_tour.py
+	$(VENV)/bin/ddpbus run examples/digits.py:spec --workers 2
 
 codegen: install
 	$(PY) codecs/_codegen.py

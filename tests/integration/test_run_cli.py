@@ -1,0 +1,108 @@
+"""`ddpbus run` as a user runs it: the demo, the summary, --slowdown, Ctrl-C, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = [sys.executable, "-m", "ddpbus.orchestrator.cli", "run"]
+DIGITS = str(ROOT / "examples" / "digits.py") + ":spec"
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _run(args: list[str], tmp: Path, timeout: float = 200) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
+    return subprocess.run([*RUN, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=tmp, env=env, check=False)
+
+
+def test_demo_trains_digits_to_95_percent_and_writes_the_summary(tmp_path: Path) -> None:
+    summary_file = tmp_path / "summary.json"
+    out = _run([DIGITS, "--workers", "2", "--summary", str(summary_file)], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(summary_file.read_text())
+    assert summary["test_accuracy"] >= 0.95
+    assert summary["epochs"] == 20
+    assert summary["rounds"] > 0
+    assert summary["wall_s"] > 0
+    assert set(summary["batch_share"]) == {"0", "1"}
+    assert abs(sum(summary["batch_share"].values()) - 1.0) < 1e-9
+    for needle in ("eval metric (last epoch)", "averaging rounds", "rank 1 batch share"):
+        assert needle in out.stdout
+    run_dir = Path(summary["out_dir"])
+    if not run_dir.is_absolute():
+        run_dir = tmp_path / run_dir
+    assert (run_dir / "consensus.safetensors").exists()
+    assert not (run_dir / ".job.key").exists()  # the job key does not outlive the run
+
+
+def test_slowdown_flag_shifts_batches_to_the_fast_rank(tmp_path: Path) -> None:
+    summary_file = tmp_path / "s.json"
+    out = _run([DIGITS, "--workers", "2", "--epochs", "4", "--slowdown", "1=3",
+                "--summary", str(summary_file), "--no-progress"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    share = json.loads(summary_file.read_text())["batch_share"]
+    assert share["0"] > 0.6 > share["1"]
+
+
+def _wait_for(path: Path, needle: str, within: float) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if path.exists() and needle in path.read_text():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{needle!r} never appeared in {path}")
+
+
+def test_ctrl_c_stops_every_process_and_ranks_save(tmp_path: Path) -> None:
+    out_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
+    proc = subprocess.Popen([*RUN, DIGITS, "--workers", "2", "--epochs", "5000", "--out",
+                             str(out_dir), "--no-progress"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    events = out_dir / "events.jsonl"
+    _wait_for(events, '"average"', 120)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 130, err[-3000:]
+    for rank in (0, 1):
+        assert (out_dir / f"rank{rank}.safetensors").exists()
+        assert (out_dir / f"rank{rank}.optim.safetensors").exists()
+    lines = [json.loads(x) for x in events.read_text().splitlines()]
+    assert any(e["event"] == "run-aborted" and e["reason"] == "GRACEFUL_SHUTDOWN"
+               for e in lines)
+    for e in lines:
+        if e["event"] == "rank-admitted":
+            with pytest.raises(ProcessLookupError):
+                os.kill(e["pid"], 0)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--knob", "anchr=3"], "unknown knob 'anchr' (did you mean 'anchor'?)"),
+    (["--knob", "gamma=lots"], "knob gamma='lots'"),
+    (["--knob", "overhead_target=0.9"], "overhead_target must be in [0.01, 0.5]"),
+    (["--slowdown", "5=2"], "--slowdown '5=2'"),
+    (["--policy", "fastest"], "invalid choice"),
+    (["--workers", "0"], "must be >= 1"),
+])
+def test_bad_flags_are_refused_before_anything_starts(tmp_path: Path, args: list[str],
+                                                      message: str) -> None:
+    out = _run([DIGITS, "--out", str(tmp_path / "never"), *args], tmp_path, timeout=60)
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert not (tmp_path / "never").exists()
+
+
+def test_a_missing_spec_is_refused(tmp_path: Path) -> None:
+    out = _run([str(tmp_path / "nope.py:spec")], tmp_path, timeout=60)
+    assert out.returncode == 2
+    assert "does not exist" in out.stderr
