@@ -11,6 +11,9 @@ built it. Only this module and its callers import nats; codecs never does.
   burst it handled.
 - :class:`Publisher` publishes to the job stream in order with acks pipelined, and retries a
   failed publish with the same ``Nats-Msg-Id`` (a duplicate is dropped by the stream).
+  Messages submitted with ``acked=False`` (the per-batch reports) go out as plain publishes
+  on the same connection, in the same order: the stream still stores them, the sender just
+  does not wait for the store's ack (the receiver tolerates a lost one).
 """
 
 from __future__ import annotations
@@ -196,7 +199,8 @@ class Publisher:
     def __init__(self, js: JetStreamContext, *, window: int = 512, ack_timeout: float = 5.0,
                  retry_deadline: float = 60.0) -> None:
         self._js = js
-        self._queue: asyncio.Queue[Outbound] = asyncio.Queue()
+        self._nc: Client = js._nc  # the context's own connection
+        self._queue: asyncio.Queue[tuple[Outbound, bool]] = asyncio.Queue()
         self._inflight: deque[tuple[Outbound, asyncio.Future[PubAck]]] = deque()
         self._window = asyncio.Semaphore(window)
         self._ack_timeout = ack_timeout
@@ -208,16 +212,21 @@ class Publisher:
         self.published = 0
         self.failed: PublishFailed | None = None
 
-    def submit(self, out: Outbound) -> None:
+    def submit(self, out: Outbound, *, acked: bool = True) -> None:
         self._outstanding += 1
         self._idle.clear()
-        self._queue.put_nowait(out)
+        self._queue.put_nowait((out, acked))
 
     async def run(self) -> None:
         checker = asyncio.create_task(self._check_acks(), name="publisher-acks")
         try:
             while True:
-                out = await self._queue.get()
+                out, acked = await self._queue.get()
+                if not acked:
+                    with contextlib.suppress(*_NATS_ERRORS):
+                        await self._nc.publish(out.subject, out.payload, headers=out.headers)
+                    self._done()
+                    continue
                 await self._window.acquire()
                 try:
                     fut = await self._js.publish_async(out.subject, out.payload,
@@ -244,10 +253,13 @@ class Publisher:
                 await self._retry(out)
             self._inflight.popleft()
             self._window.release()
-            self.published += 1
-            self._outstanding -= 1
-            if self._outstanding == 0:
-                self._idle.set()
+            self._done()
+
+    def _done(self) -> None:
+        self.published += 1
+        self._outstanding -= 1
+        if self._outstanding == 0:
+            self._idle.set()
 
     async def _retry(self, out: Outbound) -> None:
         try:

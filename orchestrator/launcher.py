@@ -179,11 +179,13 @@ class LocalRun:
         try:
             await ensure_job(nc.jetstream(), self.job, self.workers)
             monitor = RunMonitor(self.job, key, self.workers)
-            sub = await monitor.attach(nc)
+            # the monitor decodes every message: only pay for it when someone watches
+            sub = await monitor.attach(nc) if self.progress else None
             started = time.monotonic()
             self._start(url, key_file)
             failed = await self._supervise(monitor, console)
-            await sub.unsubscribe()
+            if sub is not None:
+                await sub.unsubscribe()
         finally:
             await nc.close()
         return self._report(console, time.monotonic() - started, failed)

@@ -132,6 +132,7 @@ class RankState:
     dead: bool = False
     last_heard: float = 0.0
     step: int = 0  # the rank's last reported local step
+    window_start: int = 0  # the rank's local step when the open window began
     lr: float | None = None
     last_loss: float | None = None
     queue: deque[Assignment] = field(default_factory=deque)  # dispatched, in order
@@ -146,7 +147,7 @@ class RankState:
     budget: int = 0  # steps the rank may take this window
     # the last average
     acked: bool = True
-    sync_step: int = 0
+    sync_step: int = 0  # last reported step when SyncNow went out
     divergence: float | None = None
     pre_norm: float | None = None
     post_norm: float | None = None
@@ -201,6 +202,8 @@ class State:
     rendezvous: Rendezvous | None = None
     sessions: int = 0
     training_started_at: float | None = None
+    first_batch_at: float | None = None
+    settled_at: float | None = None  # when the latest average was acknowledged by all
     finished_at: float | None = None
     pools: dict[int, Pool] = field(default_factory=dict)
     epoch: int = 0  # the epoch being dispatched

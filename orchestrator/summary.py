@@ -41,6 +41,9 @@ def summarize(s: State) -> dict[str, Any]:
         "rounds": s.rounds,
         "global_step": s.global_step,
         "wall_s": (ended - started) if started is not None and ended is not None else None,
+        # first batch reported -> last average acknowledged everywhere: training proper
+        "train_s": (s.settled_at - s.first_batch_at)
+        if s.first_batch_at is not None and s.settled_at is not None else None,
         "test_accuracy": last_eval[1] if last_eval else None,
         "eval": [{"epoch": e, "metric": v} for e, v in s.eval_history],
         "loss": [_num(e.avg_loss) for e in s.aggregated],

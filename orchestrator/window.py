@@ -26,22 +26,28 @@ Out = list[Command]
 
 
 def on_batch(s: State, r: RankState, msg: m.Batch, now: float, out: Out) -> None:
+    """Credit the batches since the rank's previous report (``step_count`` is the rank's
+    monotonic local step, so a lost or coalesced report never skews the books)."""
     if s.phase not in (Phase.TRAINING, Phase.FINISHING):
         out.append(Refuse("batch-outside-training", f"rank {r.rank} reported a batch in "
                           f"phase {s.phase.value}"))
         return
-    head = next((a for a in r.queue if not a.complete), None)
-    if head is None:
-        out.append(Refuse("batch-without-plan", f"rank {r.rank} reported step "
-                          f"{msg.step_count} with no plan in flight"))
+    delta = msg.step_count - r.step
+    if delta <= 0:
+        out.append(Refuse("stale-batch", f"rank {r.rank} reported step {msg.step_count}, "
+                          f"already at {r.step}"))
         return
-    head.done += 1
-    r.step, r.batches_total = msg.step_count, r.batches_total + 1
+    if delta > r.in_flight():
+        out.append(Refuse("batch-without-plan", f"rank {r.rank} reported step "
+                          f"{msg.step_count}: {delta} batches, {r.in_flight()} in flight"))
+        return
+    if delta > 1:
+        out.append(Record("batch-reports-missing", {"rank": r.rank, "batches": delta - 1}))
+    _credit(s, r, delta, now)
     if msg.batch_loss is not None:
         r.last_loss = msg.batch_loss
-    r.steps += 1
     r.compute_ms += msg.batch_ms
-    if r.steps == 1:
+    if r.fill_ms is None:  # the window's first batch: its excess is the fill cost
         r.fill_ms = msg.batch_ms + msg.data_ms
     else:
         r.delivered_ms += msg.batch_ms + msg.data_ms
@@ -51,7 +57,26 @@ def on_batch(s: State, r: RankState, msg: m.Batch, now: float, out: Out) -> None
                                               "budget": r.budget}))
 
 
+def _credit(s: State, r: RankState, batches: int, now: float) -> None:
+    """``batches`` more trained by ``r``, in plan order."""
+    for _ in range(batches):
+        head = next(a for a in r.queue if not a.complete)
+        head.done += 1
+    if s.first_batch_at is None:
+        s.first_batch_at = now
+    r.step += batches
+    r.batches_total += batches
+    r.steps = r.step - r.window_start
+
+
 def on_metrics(s: State, r: RankState, msg: m.MetricsMsg, now: float, out: Out) -> None:
+    head = next((a for a in r.queue if a.metrics is None), None)
+    if (head is not None and not head.complete and head.epoch == msg.epoch
+            and msg.batches_processed == head.size and r.in_flight() >= head.remaining):
+        # the plan is done: its last Batch reports were lost on the way
+        out.append(Record("batch-reports-missing", {"rank": r.rank,
+                                                    "batches": head.remaining}))
+        _credit(s, r, head.remaining, now)
     waiting = next((a for a in r.queue if a.complete and a.metrics is None
                     and a.epoch == msg.epoch), None)
     if waiting is None:
@@ -141,7 +166,7 @@ def sync(s: State, now: float, out: Out) -> None:
         s.elche.apply_verdict(s.pending_verdict)
         s.pending_verdict = None
     for r in alive:
-        r.acked, r.sync_step = False, r.step
+        r.acked, r.sync_step, r.window_start = False, r.step, r.step
         r.steps, r.compute_ms, r.delivered_ms, r.delivered_batches, r.fill_ms = 0, 0., 0., 0, None
     out.append(Record("average", {"round": s.rounds, "global_step": s.global_step,
                                   "steps": steps, "anchor": s.elche.anchor,
@@ -158,14 +183,21 @@ def on_sync_ack(s: State, r: RankState, msg: m.SyncAck, now: float, out: Out) ->
         return
     r.acked = True
     r.divergence, r.pre_norm, r.post_norm = msg.divergence, msg.pre_norm, msg.post_norm
+    unreported = msg.step_count - r.step
+    if 0 < unreported <= r.in_flight():  # Batch reports lost on the way: the ack tells
+        out.append(Record("batch-reports-missing", {"rank": r.rank, "batches": unreported}))
+        _credit(s, r, unreported, now)
     carried = msg.step_count - r.sync_step
-    if carried > 0:  # async: batches trained before the collective but reported after SyncNow
-        moved = min(carried, r.steps)
-        r.steps -= moved
+    if carried > 0:
+        # batches trained before the collective but reported after SyncNow (async
+        # lookahead) belong to the average just done, not to the new window
+        r.window_start = msg.step_count
+        r.steps = max(0, r.step - r.window_start)
         r.target = min(r.target, r.steps + r.in_flight())
-        s.global_step += moved
+        s.global_step += carried
     alive = s.alive
     if all(x.acked for x in alive):
+        s.settled_at = now
         s.reduce_ms = (now - (s.sync_sent_at or now)) * 1000.0
         divergences = [x.divergence for x in alive if x.divergence is not None]
         s.pending_verdict = s.guard.observe(divergences)

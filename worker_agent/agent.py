@@ -242,7 +242,10 @@ class WorkerAgent:
             subject = sj.JOIN_RANK.subject(s.job, s.rank)
         else:
             subject = sj.TIMING_RANK.subject(s.job, s.rank)
-        self.publisher.submit(self.encoder.encode(subject, msg))
+        # per-batch reports skip the store ack: the coordinator books batches by step count,
+        # so a lost Batch costs one timing sample, never a batch
+        self.publisher.submit(self.encoder.encode(subject, msg),
+                              acked=not isinstance(msg, m.Batch | m.LrUpdate))
 
     def _outbox_threadsafe(self, msg: m.Message) -> None:
         self.loop.call_soon_threadsafe(self._send, msg)

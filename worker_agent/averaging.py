@@ -1,18 +1,23 @@
 """Work-weighted parameter averaging with torch.distributed (reference C.3, NCCL arm).
 
-On SyncNow every rank runs the same collectives, in the same order, on the same branch:
+On SyncNow every rank contributes, in ONE all-reduce-sum per parameter dtype group:
 
-1. COUNT: all-reduce-sum of ``[n^gamma, mover]`` (``n`` = optimizer steps since the last
-   average, ``mover = 1`` if ``n > 0``; an idle rank has mass 0 for any gamma);
-2. if the summed mass is 0 the round is not realised: nothing else runs, nothing changes;
-3. PARAMS: each rank scales its parameters by ``n^gamma / sum`` and all-reduce-sums them
-   (the normalisation is fused into the collective; no divide afterwards);
-4. BUFFERS (floating-point only, e.g. BatchNorm statistics): scaled by
-   ``mover / sum(mover)``, all-reduce-summed. Integer buffers are left alone.
+    [ n^gamma * params | mover * float buffers | n^gamma | mover ]
+
+(``n`` = optimizer steps since the last average, ``mover = 1`` if ``n > 0``; an idle rank has
+mass 0 for any gamma). Then ``params = sum / sum(n^gamma)`` and
+``buffers = sum / sum(mover)``: the sum and its divisor come from exactly the same
+contributions, and the division happens once. When the summed mass is 0 the round is not
+realised and nothing changes (the live parameters were never touched: contributions are
+built in a separate, persistent buffer). Integer buffers are left alone.
+
+Why one collective instead of the reference's count all-reduce followed by the parameter
+and buffer all-reduces: the reference's 1-3 collectives per round are a known desync hazard
+(every rank must take the same branch), and on a small model the round trip of each
+collective dominates; fused, every rank always runs the same single collective per group.
 
 Parameters live in one flat buffer per dtype and device (each ``Parameter.data`` is a view
-into it), so an average is one collective per dtype with no gather/scatter copies. The
-divergence ``|pre - post| / |post|`` and both norms go back in SyncAck.
+into it). The divergence ``|pre - post| / |post|`` and both norms go back in SyncAck.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,57 +93,82 @@ class FlatModel:
         return sum(f.numel() for f in self.flats)
 
 
-def _norm(tensors: list[torch.Tensor]) -> float:
-    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors))
+def _norm(t: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(t))
 
 
-def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    if t.dtype in _LOW_PRECISION:  # accumulate low-precision parameters in float32
-        wide = t.float()
-        dist.all_reduce(wide, group=group)
-        t.copy_(wide)
-    else:
-        dist.all_reduce(t, group=group)
+def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulate in float32 at least (float64 parameters stay float64)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _Wire:
+    """Persistent all-reduce buffers, one per parameter group (allocated once)."""
+
+    def __init__(self, flat: FlatModel, buffer_numel: int) -> None:
+        self.buffers: list[torch.Tensor] = []
+        for i, f in enumerate(flat.flats):
+            extra = buffer_numel + 2 if i == 0 else 0
+            self.buffers.append(torch.empty(f.numel() + extra, dtype=_wire_dtype(f.dtype),
+                                            device=f.device))
+        self.buffer_numel = buffer_numel
+
+
+def _wire(flat: FlatModel, buffers: list[torch.Tensor]) -> _Wire:
+    numel = sum(b.numel() for b in buffers)
+    wire: _Wire | None = getattr(flat, "_wire", None)
+    if wire is None or wire.buffer_numel != numel or len(wire.buffers) != len(flat.flats):
+        wire = _Wire(flat, numel)
+        flat._wire = wire  # type: ignore[attr-defined]
+    return wire
 
 
 def average(flat: FlatModel, steps: int, *, gamma: float, measure: bool,
             device: torch.device, group: dist.ProcessGroup | None = None) -> AverageResult:
     """One averaging round; every rank of ``group`` must call it for the same SyncNow."""
+    del device  # the wire buffers live where the parameters live
     flat.ensure_flat()
     mass = float(steps) ** gamma if steps > 0 else 0.0
-    counts = torch.tensor([mass, 1.0 if steps > 0 else 0.0], dtype=torch.float64,
-                          device=device)
-    dist.all_reduce(counts, group=group)
-    total_mass, movers = float(counts[0]), float(counts[1])
-    if total_mass <= 0.0:
-        return AverageResult(realized=False, divergence=0.0, pre_norm=None, post_norm=None,
-                             movers=0)
+    mover = 1.0 if steps > 0 else 0.0
+    buffers = flat.buffers()
+    wire = _wire(flat, buffers)
     with torch.no_grad():
-        pre = [f.clone() for f in flat.flats] if measure else []
-        factor = mass / total_mass
-        for f in flat.flats:
-            f.mul_(factor)
-            _all_reduce(f, group)
-        buffers = flat.buffers()
+        for f, w in zip(flat.flats, wire.buffers, strict=True):
+            torch.mul(f, mass, out=w[:f.numel()])
+        head = wire.buffers[0]
+        n0 = flat.flats[0].numel()
         if buffers:
-            share = (1.0 if steps > 0 else 0.0) / movers
-            packed = torch.cat([b.reshape(-1).to(torch.float64) for b in buffers]).to(device)
-            packed.mul_(share)
-            dist.all_reduce(packed, group=group)
-            offset = 0
+            packed = head[n0:n0 + wire.buffer_numel]
+            torch.cat([b.reshape(-1).to(head.dtype) for b in buffers], out=packed)
+            packed.mul_(mover)
+        head[-2], head[-1] = mass, mover
+        for w in wire.buffers:
+            dist.all_reduce(w, group=group)
+        total_mass, movers = float(head[-2]), float(head[-1])
+        if total_mass <= 0.0:
+            return AverageResult(realized=False, divergence=0.0, pre_norm=None,
+                                 post_norm=None, movers=0)
+        pre_sq = post_sq = diff_sq = 0.0
+        for f, w in zip(flat.flats, wire.buffers, strict=True):
+            post = w[:f.numel()].div_(total_mass)
+            if measure:
+                pre_sq += _norm(f) ** 2
+                post_sq += _norm(post) ** 2
+                diff_sq += _norm(f.sub_(post)) ** 2
+            f.copy_(post)
+        if buffers and movers > 0:
+            offset = n0
             for b in buffers:
                 n = b.numel()
-                b.copy_(packed[offset:offset + n].view_as(b))
+                b.copy_(head[offset:offset + n].div_(movers).view_as(b))
                 offset += n
-        if not measure:
-            return AverageResult(realized=True, divergence=0.0, pre_norm=None, post_norm=None,
-                                 movers=round(movers))
-        post_norm = _norm(flat.flats)
-        pre_norm = _norm(pre)
-        diff = _norm([p.sub_(f) for p, f in zip(pre, flat.flats, strict=True)])
-    divergence = diff / post_norm if post_norm > 1e-10 else 0.0
-    return AverageResult(realized=True, divergence=divergence, pre_norm=pre_norm,
-                         post_norm=post_norm, movers=round(movers))
+    if not measure:
+        return AverageResult(realized=True, divergence=0.0, pre_norm=None, post_norm=None,
+                             movers=round(movers))
+    post_norm = math.sqrt(post_sq)
+    return AverageResult(realized=True,
+                         divergence=math.sqrt(diff_sq) / post_norm if post_norm > 1e-10 else 0.0,
+                         pre_norm=math.sqrt(pre_sq), post_norm=post_norm, movers=round(movers))
 
 
 def broadcast_from_root(flat: FlatModel, group: dist.ProcessGroup | None = None) -> None:

@@ -108,7 +108,8 @@ class Trainer(threading.Thread):
 
     def __init__(self, spec: TrainSpec, settings: TrainerSettings, outbox: Outbox) -> None:
         super().__init__(name=f"ddpbus-trainer-{settings.rank}", daemon=True)
-        self.spec, self.settings, self.outbox = spec, settings, outbox
+        self.spec, self.settings, self._outbox = spec, settings, outbox
+        self._held: list[m.Message] = []
         self.rank = settings.rank
         self.inbox: queue.SimpleQueue[m.ControlMsg | Halt] = queue.SimpleQueue()
         self.device = settings.device
@@ -159,6 +160,19 @@ class Trainer(threading.Thread):
                 g["lr"] = float(g["lr"]) * self._lr_scale
         torch.manual_seed(run.seed + 1 + self.rank)  # per-rank randomness (dropout, ...)
 
+    def outbox(self, msg: m.Message) -> None:
+        """Queue a report; :meth:`release` hands the queue to the agent in order."""
+        self._held.append(msg)
+
+    def release(self) -> None:
+        """Hand queued reports to the agent's loop. Called while this thread is about to
+        run GIL-free torch work or to block, so the loop's publishing never stalls a
+        batch: a Batch report leaves right after the next batch's data is fetched, or at
+        once when the window ends."""
+        held, self._held = self._held, []
+        for msg in held:
+            self._outbox(msg)
+
     def halt(self, reason: str, *, clean: bool) -> None:
         self.inbox.put(Halt(reason=reason, clean=clean))
 
@@ -171,6 +185,7 @@ class Trainer(threading.Thread):
             log.exception("rank %d: training failed", self.rank)
             self.outcome = Outcome(clean=False, reason=f"{type(exc).__name__}: {exc}")
         finally:
+            self.release()
             self._leave_group()
             self.on_done(self.outcome or Outcome(clean=False, reason="stopped"))
 
@@ -188,12 +203,17 @@ class Trainer(threading.Thread):
                     msg = self.inbox.get_nowait()
                 except queue.Empty:
                     break
-                if (done := self._handle(msg)) is not None:
+                done = self._handle(msg)
+                self.release()
+                if done is not None:
                     return done
             if self._can_train():
                 self._train_batch()
                 continue
-            if (done := self._handle(self.inbox.get())) is not None:
+            self.release()
+            done = self._handle(self.inbox.get())
+            self.release()
+            if done is not None:
                 return done
 
     def _handle(self, msg: m.ControlMsg | Halt) -> Outcome | None:
@@ -315,6 +335,7 @@ class Trainer(threading.Thread):
             plan.started_at = t0
         batch = _to_device(self.fetch(plan.take()), self.device)
         t1 = time.perf_counter()
+        self.release()  # the previous batch's reports go out while this one computes
         lr = self._set_lr()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.spec.train_step(self.model, batch)
@@ -334,7 +355,7 @@ class Trainer(threading.Thread):
         self.window.steps += 1
         self.ctx.local_step = self.step
         every = run.param_norm_every
-        norm = math.sqrt(sum(float(f.double().pow(2).sum()) for f in self.flat.flats)) \
+        norm = math.sqrt(sum(float(torch.linalg.vector_norm(f)) ** 2 for f in self.flat.flats)) \
             if every and self.step % every == 0 else None
         self.outbox(m.Batch(rank=self.rank, batch_ms=batch_ms, data_ms=data_ms,
                             step_count=self.step, param_norm=norm,
