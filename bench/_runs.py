@@ -34,8 +34,9 @@ def ddpbus_run(spec: str, *args: str, workers: int = 2, env: dict[str, str] | No
     """One `ddpbus run` in a fresh directory; raises with the logs when it fails."""
     with tempfile.TemporaryDirectory(prefix="ddpbus-bench-") as tmp:
         out = Path(tmp) / "run"
+        target = spec if Path(spec).is_absolute() else SPECS / spec
         cmd = [sys.executable, "-m", "ddpbus.orchestrator.cli", "--log-level", "WARNING",
-               "run", f"{SPECS / spec}.py:spec", "--workers", str(workers), "--out", str(out),
+               "run", f"{target}.py:spec", "--workers", str(workers), "--out", str(out),
                "--no-progress", *args]
         environ = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp,  # noqa: S603
