@@ -41,6 +41,9 @@ codegen: install
 
 bench: install
 	$(PY) bench/codec.py
+	$(PY) bench/overhead.py
+	$(PY) bench/hetero.py
+	$(PY) bench/control_latency.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -61,9 +61,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--quick", action="store_true", help="smoke run: one short workload")
     args = ap.parse_args()
     doc: dict[str, Any] = {"target": TARGET, "workloads": {}}
-    for name, env in WORKLOADS.items():
+    workloads = {"batch 256 (quick)": {"BENCH_BATCH": "256", "BENCH_EPOCHS": "1"}} \
+        if args.quick else WORKLOADS
+    for name, env in workloads.items():
         rows = [_one(env) for _ in range(args.rounds)]
         ratio = median([r["ratio"] for r in rows])
         doc["workloads"][name] = {"runs": rows, "median_ratio": ratio}

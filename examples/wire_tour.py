@@ -1,10 +1,10 @@
-"""A tour of the ddpbus wire on a real embedded broker (what `make demo` runs for now).
+"""A tour of the ddpbus wire on a real embedded broker: `python examples/wire_tour.py`.
 
 Starts `nats-server` with JetStream, creates a job's stream, bucket and consumers, then
 plays one exchange of the protocol: a rank says Hello and reports a Batch and its
 MetricsMsg; the coordinator broadcasts SetGlobalStep and sends the rank its StartEpoch.
 Each side reads its durable consumer and decodes what it got; a forged and a stale message
-are refused. The digits training demo replaces this once the coordinator and workers land.
+are refused. (`make demo` trains examples/digits.py; this shows the wire underneath.)
 """
 
 from __future__ import annotations

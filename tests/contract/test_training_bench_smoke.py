@@ -1,0 +1,41 @@
+"""The training benchmarks run (smallest settings) and report what they promise."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _bench(name: str, tmp: Path, *args: str) -> dict[str, object]:
+    out = tmp / f"{name}.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), *args,
+                           "--json", str(out)], capture_output=True, text=True, timeout=280,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(json.loads(out.read_text()))
+
+
+def test_hetero_bench(tmp_path: Path) -> None:
+    doc = _bench("hetero", tmp_path, "--rounds", "1")
+    assert set(doc["rounds"]) == {"cadence", "sync"}  # type: ignore[arg-type]
+    assert doc["rounds_ratio"] > 1  # type: ignore[operator]
+
+
+def test_overhead_bench(tmp_path: Path) -> None:
+    doc = _bench("overhead", tmp_path, "--rounds", "1", "--quick")
+    (workload,) = doc["workloads"].values()  # type: ignore[attr-defined]
+    assert 0 < workload["median_ratio"] < 2
+
+
+def test_control_latency_bench(tmp_path: Path) -> None:
+    doc = _bench("control_latency", tmp_path, "--rounds", "1")
+    assert doc["syncnow_to_all_acks_ms"]["p50"] > 0  # type: ignore[index]
+    assert doc["request_reply_rtt_ms"]["idle_p50"] > 0  # type: ignore[index]
