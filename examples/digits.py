@@ -55,7 +55,8 @@ def train_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> to
 
 
 def accuracy(model: nn.Module, dataset: TensorDataset) -> float:
-    x, y = dataset.tensors
+    device = next(model.parameters()).device  # the rank's device (cpu or cuda:N)
+    x, y = (t.to(device) for t in dataset.tensors)
     return float((model(x).argmax(1) == y).float().mean())
 
 

@@ -32,7 +32,8 @@ def mlp(hidden: int = 128) -> nn.Module:
 
 
 def accuracy(model: nn.Module, dataset: TensorDataset) -> float:
-    x, y = dataset.tensors[:2]
+    device = next(model.parameters()).device
+    x, y = (t.to(device) for t in dataset.tensors[:2])
     return float((model(x).argmax(1) == y).float().mean())
 
 
