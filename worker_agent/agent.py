@@ -274,8 +274,14 @@ class WorkerAgent:
             self._on_admit(body)
         elif isinstance(body, m.CoordHeartbeat):
             return
+        elif isinstance(body, m.Shutdown | m.ShutdownWithSave) and self._waiting_admission():
+            self._admitted.set_exception(  # type: ignore[union-attr]
+                DdpbusError("the run ended before this rank was admitted"))
         elif isinstance(body, m.ControlMsg):
             self.trainer.inbox.put(body)
+
+    def _waiting_admission(self) -> bool:
+        return self._admitted is not None and not self._admitted.done()
 
     def _on_admit(self, body: m.Accept | m.Reject) -> None:
         fut = self._admitted
