@@ -256,7 +256,10 @@ class ElChe:
     def _apply_cap(self) -> None:
         self.cap_binds = self.max_total is not None and sum(self.counts.values()) > self.max_total
         if self.cap_binds and self.max_total is not None:
-            self.counts = clamp_total(self.counts, self.max_total)
+            # the per-rank floor of 1 wins when there are more ranks than batches (C.1.2);
+            # dispatch still hands out only the batches there are
+            self.counts = {r: max(1, c) for r, c in
+                           clamp_total(self.counts, self.max_total).items()}
 
     def _propose(self, reduce_ms: float) -> None:
         self.pending_anchor = None

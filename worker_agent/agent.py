@@ -234,7 +234,7 @@ class WorkerAgent:
         config = consumer_configs(self.settings.job, self.rank + 1, JobStorage())[-1]
         await js.add_consumer(sj.stream_name(self.settings.job), config)
 
-    def _send(self, msg: m.Message) -> None:
+    def _send(self, msg: m.Message, durable: bool = True) -> None:
         s = self.settings
         if isinstance(msg, m.MetricsMsg):
             subject = sj.METRICS_RANK.subject(s.job, s.rank)
@@ -242,13 +242,12 @@ class WorkerAgent:
             subject = sj.JOIN_RANK.subject(s.job, s.rank)
         else:
             subject = sj.TIMING_RANK.subject(s.job, s.rank)
-        # per-batch reports skip the store ack: the coordinator books batches by step count,
-        # so a lost Batch costs one timing sample, never a batch
-        self.publisher.submit(self.encoder.encode(subject, msg),
-                              acked=not isinstance(msg, m.Batch | m.LrUpdate))
+        # most per-batch reports skip the store ack (the trainer says which): the coordinator
+        # books batches by step count, so a lost Batch costs one timing sample, never a batch
+        self.publisher.submit(self.encoder.encode(subject, msg), acked=durable)
 
-    def _outbox_threadsafe(self, msg: m.Message) -> None:
-        self.loop.call_soon_threadsafe(self._send, msg)
+    def _outbox_threadsafe(self, msg: m.Message, durable: bool) -> None:
+        self.loop.call_soon_threadsafe(self._send, msg, durable)
 
     def _trainer_done(self, outcome: Outcome) -> None:
         def settle() -> None:

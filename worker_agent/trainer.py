@@ -44,7 +44,9 @@ from ddpbus.worker_agent.spec import (
 
 log = logging.getLogger(__name__)
 
-Outbox = Callable[[m.Message], None]
+Outbox = Callable[[m.Message, bool], None]
+"""``outbox(msg, durable)``: hand a report to the agent; ``durable=False`` lets it skip the
+stream's store ack (per-batch reports only)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +111,7 @@ class Trainer(threading.Thread):
     def __init__(self, spec: TrainSpec, settings: TrainerSettings, outbox: Outbox) -> None:
         super().__init__(name=f"ddpbus-trainer-{settings.rank}", daemon=True)
         self.spec, self.settings, self._outbox = spec, settings, outbox
-        self._held: list[m.Message] = []
+        self._held: list[tuple[m.Message, bool]] = []
         self.rank = settings.rank
         self.inbox: queue.SimpleQueue[m.ControlMsg | Halt] = queue.SimpleQueue()
         self.device = settings.device
@@ -160,9 +162,9 @@ class Trainer(threading.Thread):
                 g["lr"] = float(g["lr"]) * self._lr_scale
         torch.manual_seed(run.seed + 1 + self.rank)  # per-rank randomness (dropout, ...)
 
-    def outbox(self, msg: m.Message) -> None:
+    def outbox(self, msg: m.Message, *, durable: bool = True) -> None:
         """Queue a report; :meth:`release` hands the queue to the agent in order."""
-        self._held.append(msg)
+        self._held.append((msg, durable))
 
     def release(self) -> None:
         """Hand queued reports to the agent's loop. Called while this thread is about to
@@ -170,8 +172,8 @@ class Trainer(threading.Thread):
         batch: a Batch report leaves right after the next batch's data is fetched, or at
         once when the window ends."""
         held, self._held = self._held, []
-        for msg in held:
-            self._outbox(msg)
+        for msg, durable in held:
+            self._outbox(msg, durable)
 
     def halt(self, reason: str, *, clean: bool) -> None:
         self.inbox.put(Halt(reason=reason, clean=clean))
@@ -357,12 +359,16 @@ class Trainer(threading.Thread):
         every = run.param_norm_every
         norm = math.sqrt(sum(float(torch.linalg.vector_norm(f)) ** 2 for f in self.flat.flats)) \
             if every and self.step % every == 0 else None
+        # the report after which this rank stops (budget reached, or no plan left) is stored
+        # with an ack: the coordinator's gate waits on it; the others may be lost harmlessly
+        closing = self.window.steps >= self.window.budget or (plan.done and len(self.plans) == 1)
         self.outbox(m.Batch(rank=self.rank, batch_ms=batch_ms, data_ms=data_ms,
                             step_count=self.step, param_norm=norm,
-                            batch_loss=loss_value if math.isfinite(loss_value) else None))
+                            batch_loss=loss_value if math.isfinite(loss_value) else None),
+                    durable=closing)
         if lr != self._last_lr:
             self._last_lr = lr
-            self.outbox(m.LrUpdate(rank=self.rank, lr=lr))
+            self.outbox(m.LrUpdate(rank=self.rank, lr=lr), durable=False)
         plan.batches += 1
         plan.loss_sum += loss_value
         plan.compute_ms += batch_ms

@@ -65,7 +65,8 @@ class Sim:
     def __init__(self, schedule: Schedule, speeds: Iterable[float], *, latency: float = 0.0005,
                  dataset_size: int = 640, has_eval: bool = False,
                  has_checkpoint_fn: bool = False, has_epoch_fn: bool = False,
-                 tick: float = 0.1) -> None:
+                 tick: float = 0.1,
+                 lose_batch_report: Callable[[int, int], bool] | None = None) -> None:
         speeds = list(speeds)
         self.config = CoreConfig(schedule=schedule, world_size=len(speeds), has_eval=has_eval,
                                  has_checkpoint_fn=has_checkpoint_fn, has_epoch_fn=has_epoch_fn)
@@ -75,11 +76,15 @@ class Sim:
         self.latency = latency
         self.dataset_size = dataset_size
         self.tick = tick
+        # (rank, step) -> True: that Batch report is lost on the way (published unacked)
+        self.lose_batch_report = lose_batch_report
         self.commands: list[Command] = []
         self.finish: Finish | None = None
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self.sent: list[tuple[float, int | None, m.ControlMsg]] = []
+        self.delivered: list[tuple[float, Event]] = []  # every event fed to the core
+        self.batch_log: list[tuple[float, int, int, int]] = []  # (time, rank, epoch, batch)
 
     # ----------------------------------------------------------------- plumbing
 
@@ -91,6 +96,7 @@ class Sim:
                 lambda: self._deliver(event))
 
     def _deliver(self, event: Event) -> None:
+        self.delivered.append((self.now, event))
         self.state, out = transition(self.state, event, self.now)
         self.commands += out
         for c in out:
@@ -206,12 +212,18 @@ class Sim:
         plan = r.plans[0]
         epoch, first, size, done = plan
         r.trained[(epoch, first + done)] += 1
+        self.batch_log.append((self.now, r.rank, epoch, first + done))
         plan[3] += 1
         r.step += 1
         r.steps += 1
         r.batches += 1
-        self.to_core(Timing(m.Batch(rank=r.rank, batch_ms=r.ms_per_batch, data_ms=0.0,
-                                    step_count=r.step, batch_loss=1.0)))
+        # like the agent: the report after which the rank stops is stored with an ack (and
+        # retried), so only the others can be lost
+        closing = r.steps >= r.budget or (plan[3] == size and len(r.plans) == 1)
+        if closing or self.lose_batch_report is None or not self.lose_batch_report(r.rank,
+                                                                                   r.step):
+            self.to_core(Timing(m.Batch(rank=r.rank, batch_ms=r.ms_per_batch, data_ms=0.0,
+                                        step_count=r.step, batch_loss=1.0)))
         if plan[3] == size:
             r.plans.popleft()
             self.to_core(Metrics(m.MetricsMsg(
@@ -228,6 +240,11 @@ class Sim:
 
     def refusals(self) -> list[Refuse]:
         return [c for c in self.commands if isinstance(c, Refuse)]
+
+    def timings_of(self, cls: type[Any]) -> list[tuple[float, Any]]:
+        """(delivery time, msg) of every TimingMsg of type ``cls`` the core received."""
+        return [(t, e.msg) for t, e in self.delivered
+                if isinstance(e, Timing) and isinstance(e.msg, cls)]
 
     def sent_of(self, cls: type[Any]) -> list[tuple[float, int | None, Any]]:
         return [x for x in self.sent if isinstance(x[2], cls)]

@@ -1,0 +1,125 @@
+"""The core's liveness, stop and end rules, and its determinism (fake clock)."""
+
+from __future__ import annotations
+
+from core_harness import Core, formed, records, refusals, sends
+
+from ddpbus.codecs import messages as m
+from ddpbus.orchestrator.state import Command, Finish, Phase, Stop, Tick, Timing
+
+# ------------------------------------------------------------------- liveness
+
+
+def test_silent_rank_is_declared_dead_exactly_once() -> None:
+    core = formed()
+    log: list[Command] = []
+    for t in range(1, 80):
+        log += core.feed(Timing(m.Heartbeat(rank=0, step_count=0)), at=float(t))
+        log += core.feed(Tick(), at=t + 0.5)
+    assert [f["rank"] for f in records(log, "rank-dead")] == [1]
+    assert len(sends(log, m.ShutdownWithSave)) == 1
+    assert core.state.ranks[1].dead
+    finish = [c for c in log if isinstance(c, Finish)]
+    assert len(finish) == 1
+    assert not finish[0].ok
+
+
+def test_rank_is_not_dead_at_the_timeout() -> None:
+    core = formed()
+    assert not records(core.feed(Tick(), at=30.0), "rank-dead")
+    assert records(core.feed(Tick(), at=30.1), "rank-dead")
+
+
+def test_heartbeat_refreshes_liveness() -> None:
+    core = formed()
+    core.feed(Timing(m.Heartbeat(rank=0, step_count=0)), at=20.0)
+    core.feed(Timing(m.Heartbeat(rank=1, step_count=0)), at=20.0)
+    assert not records(core.feed(Tick(), at=31.0), "rank-dead")
+    assert core.state.phase is Phase.TRAINING
+
+
+def test_any_timing_frame_refreshes_liveness() -> None:
+    core = formed()
+    core.now = 20.0
+    core.train(0, 3)
+    core.train(1, 3)
+    assert not records(core.feed(Tick(), at=45.0), "rank-dead")
+
+
+def test_rank_that_said_exiting_is_never_declared_dead() -> None:
+    core = formed()
+    core.feed(Stop())
+    log = core.exiting(1, at=1.0)
+    for t in range(2, 100):
+        log += core.feed(Tick(), at=float(t))
+    assert not records(log, "rank-dead")
+    assert not core.state.ranks[1].dead
+
+
+# ----------------------------------------------------------------- stop / end
+
+
+def test_stop_sends_graceful_shutdown_with_save() -> None:
+    core = formed()
+    out = core.feed(Stop())
+    assert [s.msg for s in sends(out, m.ShutdownWithSave)] == [
+        m.ShutdownWithSave(reason=m.SaveReason.GRACEFUL_SHUTDOWN)]
+    assert core.state.phase is Phase.DRAINING
+
+
+def test_finish_once_every_rank_said_exiting() -> None:
+    core = formed()
+    core.feed(Stop())
+    assert not any(isinstance(c, Finish) for c in core.exiting(0))
+    out = core.exiting(1)
+    assert sum(isinstance(c, Finish) for c in out) == 1
+    assert core.state.phase is Phase.DONE
+
+
+def test_finish_after_exit_timeout() -> None:
+    core = formed()
+    core.feed(Stop(), at=1.0)
+    core.exiting(0, at=2.0)
+    assert not any(isinstance(c, Finish) for c in core.feed(Tick(), at=30.5))
+    out = core.feed(Tick(), at=31.5)
+    finish = [c for c in out if isinstance(c, Finish)]
+    assert len(finish) == 1
+    assert "[1]" in finish[0].reason
+
+
+def test_second_stop_sends_nothing() -> None:
+    core = formed()
+    core.feed(Stop())
+    assert not sends(core.feed(Stop()), m.ShutdownWithSave)
+
+
+def test_events_after_done_are_refused() -> None:
+    core = formed()
+    core.feed(Stop())
+    core.exiting(0)
+    core.exiting(1)
+    for event in (Tick(), Stop(), Timing(m.Heartbeat(rank=0, step_count=0))):
+        out = core.feed(event)
+        assert refusals(out) == ["run-over"]
+        assert len(out) == 1
+
+
+# -------------------------------------------------------------- determinism
+
+
+def script(core: Core) -> list[Command]:
+    log = core.form()
+    log += core.train(0, 10, ms=2.0) + core.train(1, 10, ms=5.0)
+    core.now = 0.5
+    log += core.ack(0) + core.ack(1)
+    log += core.train(0, 25, ms=2.0) + core.train(1, 4, ms=5.0)
+    log += core.feed(Tick(), at=1.0)
+    log += core.feed(Stop(), at=2.0)
+    log += core.exiting(0, at=2.1) + core.exiting(1, at=2.2)
+    return log
+
+
+def test_same_events_yield_identical_commands() -> None:
+    first, second = script(Core(now=0.0)), script(Core(now=0.0))
+    assert repr(first) == repr(second)
+    assert any(isinstance(c, Finish) for c in first)
