@@ -46,6 +46,7 @@ def main() -> None:
             opt.step()
     if rank == 0:
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out)
+    dist.barrier()  # nobody tears gloo down while a peer still talks to it
     dist.destroy_process_group()
 
 

@@ -52,9 +52,8 @@ def test_sync_policy_matches_torch_ddp(broker: EmbeddedBroker, tmp_path: Path) -
     procs = [subprocess.Popen([sys.executable, str(SPECS.parent / "ddp_reference.py"), str(r),
                                "2", str(store), str(ref)], stderr=subprocess.PIPE)
              for r in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err.decode()
+    errors = [p.communicate(timeout=120)[1].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
     theirs = load_file(str(ref))
     assert ours.keys() == theirs.keys()
     for k in theirs:
