@@ -7,8 +7,8 @@ built it. Only this module and its callers import nats; codecs never does.
 - :class:`StreamReader` reads a durable pull consumer continuously (the "consume" pattern):
   it keeps pull requests outstanding so a stored message is delivered at once, re-requests
   when a request expires, notices a silent server through idle heartbeats (nats-py's own
-  pull subscription can stall after a server restart), and acks with AckAll after each
-  burst it handled.
+  pull subscription can stall after a server restart), and acks with AckAll once per burst
+  (every 64 messages, or after 50 ms of quiet), not once per message.
 - :class:`Publisher` publishes to the job stream in order with acks pipelined, and retries a
   failed publish with the same ``Nats-Msg-Id`` (a duplicate is dropped by the stream).
   Messages submitted with ``acked=False`` (the per-batch reports) go out as plain publishes
@@ -112,6 +112,11 @@ async def next_generation(kv: KeyValue, name: str) -> int:
 
 Handler = Callable[[Msg], Awaitable[None]]
 
+ACK_EVERY = 64
+"""StreamReader acks (AckAll) after this many handled messages ..."""
+ACK_DELAY_S = 0.05
+"""... or once the stream has been quiet this long: one ack per burst, not per message."""
+
 
 class StreamReader:
     """Continuous reader of one durable pull consumer; ``handler`` sees messages in stream
@@ -140,14 +145,20 @@ class StreamReader:
         sub = await self._nc.subscribe(self._inbox, pending_msgs_limit=0,
                                        pending_bytes_limit=0)
         last: Msg | None = None
+        unacked = 0
         try:
             while True:
                 if self._pending <= self._batch // 2:
                     await self._request()
                 try:
-                    msg = await sub.next_msg(timeout=3 * self._heartbeat)
+                    msg = await sub.next_msg(timeout=ACK_DELAY_S if last is not None
+                                             else 3 * self._heartbeat)
                 except nats.errors.TimeoutError:
-                    self._pending = 0  # the server lost our requests (restart?): ask again
+                    if last is not None:  # quiet for a moment: one AckAll covers the lot
+                        await self._ack(last)
+                        last, unacked = None, 0
+                    else:
+                        self._pending = 0  # the server lost our requests (restart?)
                     continue
                 status = msg.headers.get("Status") if msg.headers else None
                 if status:
@@ -156,10 +167,10 @@ class StreamReader:
                 self._pending -= 1
                 self.delivered += 1
                 await self._handler(msg)
-                last = msg
-                if sub.pending_msgs == 0:  # end of a burst: one AckAll covers it
+                last, unacked = msg, unacked + 1
+                if unacked >= ACK_EVERY:
                     await self._ack(last)
-                    last = None
+                    last, unacked = None, 0
         finally:
             if last is not None:
                 await self._ack(last)

@@ -6,6 +6,7 @@ Usage: python averaging_worker.py RANK WORLD STORE OUT_DIR CASES_JSON
 from __future__ import annotations
 
 import json
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -52,3 +53,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # skip interpreter teardown: gloo's FileStore threads can abort it ("terminate called
+    # without an active exception") after everything is already written
+    sys.stdout.flush()
+    os._exit(0)
