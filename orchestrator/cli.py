@@ -115,7 +115,9 @@ def merge_env(parser: argparse.ArgumentParser, args: argparse.Namespace,
         parser.error(f"unknown environment variable(s) {', '.join(unknown)}; "
                      f"known: {', '.join(sorted(known))}")
     if args.log_level is None:
-        args.log_level = environ.get("DDPBUS_LOG_LEVEL", "INFO").upper()
+        # `ddpbus run` shows its own progress and table; its processes log to files
+        quiet = "WARNING" if args.command == "run" else "INFO"
+        args.log_level = environ.get("DDPBUS_LOG_LEVEL", quiet).upper()
     converters: dict[str, Callable[[str], Any]] = {
         "port": _port, "monitor_port": _port, "max_payload": _positive, "world_size": _positive,
         "store": Path, "config": Path, "job": _job, "key_file": Path, "summary": Path,
