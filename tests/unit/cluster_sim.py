@@ -105,8 +105,6 @@ class Sim:
                 targets = [c.rank] if c.rank is not None else range(len(self.ranks))
                 for t in targets:
                     self.at(self.now + self.latency, lambda t=t, msg=c.msg: self._rank_gets(t, msg))
-            elif isinstance(c, Admit):
-                pass
             elif isinstance(c, Finish):
                 self.finish = c
 
