@@ -20,7 +20,6 @@ from ddpbus.codecs import messages as m
 from ddpbus.orchestrator.config import Schedule
 from ddpbus.orchestrator.core import initial_state, transition
 from ddpbus.orchestrator.state import (
-    Admit,
     Command,
     CoreConfig,
     Event,
