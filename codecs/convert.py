@@ -207,6 +207,7 @@ def _sync_ack_to_wire(x: m.SyncAck) -> pb.TimingMsg:
             divergence=x.divergence,
             post_norm=x.post_norm,
             pre_norm=x.pre_norm,
+            failed=x.failed,
         )
     )
 
@@ -218,6 +219,7 @@ def _sync_ack_from_wire(w: Any) -> m.SyncAck:
         divergence=w.divergence,
         post_norm=_opt(w, "post_norm"),
         pre_norm=_opt(w, "pre_norm"),
+        failed=w.failed,
     )
 
 
@@ -371,13 +373,15 @@ def _start_epoch_from_wire(w: Any) -> m.StartEpoch:
 def _extend_to_wire(x: m.ExtendPartition) -> pb.ControlMsg:
     return _C(
         extend_partition=_C.ExtendPartition(
-            partition_offset=x.partition_offset, partition_size=x.partition_size
+            partition_offset=x.partition_offset, partition_size=x.partition_size,
+            epoch=x.epoch,
         )
     )
 
 
 def _extend_from_wire(w: Any) -> m.ExtendPartition:
-    return m.ExtendPartition(partition_offset=w.partition_offset, partition_size=w.partition_size)
+    return m.ExtendPartition(partition_offset=w.partition_offset,
+                             partition_size=w.partition_size, epoch=w.epoch)
 
 
 def _declare_dead_to_wire(x: m.DeclareDead) -> pb.ControlMsg:
@@ -392,7 +396,8 @@ def _new_session_to_wire(x: m.NewNcclSession) -> pb.ControlMsg:
     _check_len("NewNcclSession", "uid_bytes", x.uid_bytes, m.NCCL_ID_BYTES, encoding=True)
     return _C(
         new_nccl_session=_C.NewNcclSession(
-            uid_bytes=x.uid_bytes, new_rank=x.new_rank, new_world_size=x.new_world_size
+            uid_bytes=x.uid_bytes, new_rank=x.new_rank, new_world_size=x.new_world_size,
+            initial=x.initial,
         )
     )
 
@@ -406,7 +411,8 @@ def _new_session_from_wire(w: Any) -> m.NewNcclSession:
             msg_type="NewNcclSession",
         )
     return m.NewNcclSession(
-        uid_bytes=w.uid_bytes, new_rank=w.new_rank, new_world_size=w.new_world_size
+        uid_bytes=w.uid_bytes, new_rank=w.new_rank, new_world_size=w.new_world_size,
+        initial=w.initial,
     )
 
 
@@ -647,6 +653,7 @@ def run_config_to_wire(x: m.RunConfig) -> pb.RunConfig:
         param_norm_every=x.param_norm_every,
         coordinator_timeout_s=x.coordinator_timeout_s,
         progressive=x.progressive,
+        collective_timeout_s=x.collective_timeout_s,
     )
 
 
@@ -656,8 +663,10 @@ def run_config_from_wire(w: pb.RunConfig) -> m.RunConfig:
     if policy is None or backend is None:
         raise InvalidField(f"RunConfig policy={w.policy} backend={w.backend} is not a known "
                            "pair", msg_type="RunConfig")
-    if w.batch_size < 1 or not w.coordinator_timeout_s > 0:
-        raise InvalidField("RunConfig needs batch_size >= 1 and coordinator_timeout_s > 0",
+    if (w.batch_size < 1 or not w.coordinator_timeout_s > 0
+            or not 0 <= w.collective_timeout_s < float("inf")):
+        raise InvalidField("RunConfig needs batch_size >= 1, coordinator_timeout_s > 0 and "
+                           "a finite collective_timeout_s >= 0",
                            msg_type="RunConfig")
     return m.RunConfig(
         policy=policy,
@@ -671,6 +680,7 @@ def run_config_from_wire(w: pb.RunConfig) -> m.RunConfig:
         param_norm_every=w.param_norm_every,
         coordinator_timeout_s=w.coordinator_timeout_s,
         progressive=w.progressive,
+        collective_timeout_s=w.collective_timeout_s,
     )
 
 

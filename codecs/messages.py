@@ -208,6 +208,7 @@ class SyncAck:
     divergence: float
     post_norm: float | None = None
     pre_norm: float | None = None
+    failed: bool = False  # the collective failed: parameters stayed this rank's own
 
 
 @_fast_init
@@ -328,6 +329,7 @@ class StartEpoch:
 class ExtendPartition:
     partition_offset: int
     partition_size: int
+    epoch: int = 0  # whose permutation the slice indexes
 
 
 @_fast_init
@@ -342,6 +344,7 @@ class NewNcclSession:
     uid_bytes: bytes  # NCCL_ID_BYTES long
     new_rank: int
     new_world_size: int
+    initial: bool = False  # the run's first session: start from new rank 0's parameters
 
 
 @_fast_init
@@ -520,6 +523,7 @@ class RunConfig:
     param_norm_every: int = 10
     coordinator_timeout_s: float = 30.0
     progressive: bool = False
+    collective_timeout_s: float = 0.0  # 0: torch.distributed's default
 
 
 @_fast_init

@@ -55,6 +55,11 @@ class Schedule:
     # liveness (D.2)
     heartbeat_timeout: timedelta = field(default=timedelta(seconds=30))
     coordinator_timeout: timedelta = field(default=timedelta(seconds=30))
+    collective_timeout: timedelta | None = None  # None: heartbeat_timeout + 2 s (D.2)
+    # fault tolerance (D.2): the run ends once this many ranks died ("3") or this share
+    # of the world ("25%"); None tolerates any partial loss
+    max_failure: str | None = None
+    min_world: int = 1  # fewer alive ranks than this ends the run (SingleSurvivor at 2)
     # callbacks (C.10)
     eval_every: int = 1  # epochs between evals when the spec has an eval function; 0 = never
     checkpoint_every: int = 0  # epochs between checkpoints; 0 = only the final one
@@ -99,7 +104,26 @@ class Schedule:
             param_norm_every=self.param_norm_every,
             coordinator_timeout_s=self.coordinator_timeout.total_seconds(),
             progressive=self.effective_progressive,
+            collective_timeout_s=self.effective_collective_timeout.total_seconds(),
         )
+
+    @property
+    def effective_collective_timeout(self) -> timedelta:
+        """How long a collective may hang on a silent peer before it fails (reference: the
+        window-completion ceiling, heartbeat timeout + 2 s)."""
+        if self.collective_timeout is not None:
+            return self.collective_timeout
+        return self.heartbeat_timeout + timedelta(seconds=2)
+
+    def failure_limit(self, world_size: int) -> int | None:
+        """Deaths that end the run (``max_failure``), or None for no limit."""
+        if self.max_failure is None:
+            return None
+        text = self.max_failure.strip()
+        if text.endswith("%"):
+            share = min(max(float(text[:-1]) / 100.0, 0.0), 1.0)
+            return max(1, math.ceil(share * world_size))
+        return int(text)
 
 
 # ------------------------------------------------------------------------ parsing
@@ -134,6 +158,18 @@ def _seconds(value: Any) -> timedelta:
     if isinstance(value, timedelta):
         return value
     return timedelta(seconds=_float(value))
+
+
+def _failure(value: Any) -> str:
+    text = str(value).strip()
+    number = text[:-1] if text.endswith("%") else text
+    try:
+        ok = float(number) > 0 if text.endswith("%") else int(number) >= 1
+    except ValueError:
+        ok = False
+    if not ok or isinstance(value, bool):
+        raise ValueError('expected a count of ranks ("2") or a share ("25%")')
+    return text
 
 
 def _optional(conv: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -175,6 +211,9 @@ _PARSERS: Final[dict[str, Callable[[Any], Any]]] = {
     "progressive": _optional(_bool),
     "heartbeat_timeout": _seconds,
     "coordinator_timeout": _seconds,
+    "collective_timeout": _optional(_seconds),
+    "max_failure": _optional(_failure),
+    "min_world": _int,
     "eval_every": _int,
     "checkpoint_every": _int,
     "callback_rank": _optional(_int),
@@ -205,6 +244,9 @@ def _check(s: Schedule) -> None:
         (s.lr_scale_ratio >= 0, "lr_scale_ratio must be >= 0 (0 disables LR scaling)"),
         (s.heartbeat_timeout > timedelta(0), "heartbeat_timeout must be positive"),
         (s.coordinator_timeout > timedelta(0), "coordinator_timeout must be positive"),
+        (s.collective_timeout is None or s.collective_timeout > timedelta(0),
+         "collective_timeout must be positive"),
+        (s.min_world >= 1, "min_world must be >= 1"),
         (s.eval_every >= 0, "eval_every must be >= 0"),
         (s.checkpoint_every >= 0, "checkpoint_every must be >= 0"),
         (s.callback_rank is None or s.callback_rank >= 0, "callback_rank must be >= 0"),
@@ -264,6 +306,8 @@ def describe(schedule: Schedule) -> dict[str, Any]:
         value = getattr(schedule, f.name)
         if isinstance(value, Policy | Backend):
             value = value.value
+        elif value is None and f.name.endswith("_timeout"):
+            value = None
         elif isinstance(value, timedelta):
             value = value.total_seconds()
         out[f.name] = value

@@ -226,12 +226,17 @@ class TimingMsg(_message.Message):
         DIVERGENCE_FIELD_NUMBER: _builtins.int
         POST_NORM_FIELD_NUMBER: _builtins.int
         PRE_NORM_FIELD_NUMBER: _builtins.int
+        FAILED_FIELD_NUMBER: _builtins.int
         rank: _builtins.int
         step_count: _builtins.int
         divergence: _builtins.float
         """|pre - post| / |post|"""
         post_norm: _builtins.float
         pre_norm: _builtins.float
+        failed: _builtins.bool
+        """The collective failed (a peer died mid-round): parameters are this rank's own,
+        unaveraged; the window's work is not sealed into the consensus.
+        """
         def __init__(
             self,
             *,
@@ -240,10 +245,11 @@ class TimingMsg(_message.Message):
             divergence: _builtins.float = ...,
             post_norm: _builtins.float | None = ...,
             pre_norm: _builtins.float | None = ...,
+            failed: _builtins.bool = ...,
         ) -> None: ...
         _HasFieldArgType: _TypeAlias = _typing.Literal["_post_norm", b"_post_norm", "_pre_norm", b"_pre_norm", "post_norm", b"post_norm", "pre_norm", b"pre_norm"]  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["_post_norm", b"_post_norm", "_pre_norm", b"_pre_norm", "divergence", b"divergence", "post_norm", b"post_norm", "pre_norm", b"pre_norm", "rank", b"rank", "step_count", b"step_count"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["_post_norm", b"_post_norm", "_pre_norm", b"_pre_norm", "divergence", b"divergence", "failed", b"failed", "post_norm", b"post_norm", "pre_norm", b"pre_norm", "rank", b"rank", "step_count", b"step_count"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         _WhichOneofReturnType__post_norm: _TypeAlias = _typing.Literal["post_norm"]  # noqa: Y015
         _WhichOneofArgType__post_norm: _TypeAlias = _typing.Literal["_post_norm", b"_post_norm"]  # noqa: Y015
@@ -614,17 +620,23 @@ class ControlMsg(_message.Message):
 
         PARTITION_OFFSET_FIELD_NUMBER: _builtins.int
         PARTITION_SIZE_FIELD_NUMBER: _builtins.int
+        EPOCH_FIELD_NUMBER: _builtins.int
         partition_offset: _builtins.int
         partition_size: _builtins.int
+        epoch: _builtins.int
+        """The epoch whose permutation the slice indexes (a dead rank's lost work may belong
+        to an earlier epoch than the receiver's current plan).
+        """
         def __init__(
             self,
             *,
             partition_offset: _builtins.int = ...,
             partition_size: _builtins.int = ...,
+            epoch: _builtins.int = ...,
         ) -> None: ...
         _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["partition_offset", b"partition_offset", "partition_size", b"partition_size"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "partition_offset", b"partition_offset", "partition_size", b"partition_size"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -652,20 +664,27 @@ class ControlMsg(_message.Message):
         UID_BYTES_FIELD_NUMBER: _builtins.int
         NEW_RANK_FIELD_NUMBER: _builtins.int
         NEW_WORLD_SIZE_FIELD_NUMBER: _builtins.int
+        INITIAL_FIELD_NUMBER: _builtins.int
         uid_bytes: _builtins.bytes
         """128 bytes"""
         new_rank: _builtins.int
         new_world_size: _builtins.int
+        initial: _builtins.bool
+        """The run's first session: members start from new rank 0's parameters. Later
+        sessions (shrink, grow-back) keep each member's own; a joiner gets the consensus
+        in the next average, where it carries zero mass.
+        """
         def __init__(
             self,
             *,
             uid_bytes: _builtins.bytes = ...,
             new_rank: _builtins.int = ...,
             new_world_size: _builtins.int = ...,
+            initial: _builtins.bool = ...,
         ) -> None: ...
         _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["new_rank", b"new_rank", "new_world_size", b"new_world_size", "uid_bytes", b"uid_bytes"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["initial", b"initial", "new_rank", b"new_rank", "new_world_size", b"new_world_size", "uid_bytes", b"uid_bytes"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1347,6 +1366,7 @@ class RunConfig(_message.Message):
     PARAM_NORM_EVERY_FIELD_NUMBER: _builtins.int
     COORDINATOR_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     PROGRESSIVE_FIELD_NUMBER: _builtins.int
+    COLLECTIVE_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     policy: Global___Policy.ValueType
     backend: Global___Backend.ValueType
     batch_size: _builtins.int
@@ -1364,6 +1384,8 @@ class RunConfig(_message.Message):
     """rank gives up after this much coordinator silence"""
     progressive: _builtins.bool
     """chunked dispatch (StartEpoch per window)"""
+    collective_timeout_s: _builtins.float
+    """a collective stuck this long fails (0: no limit)"""
     def __init__(
         self,
         *,
@@ -1378,10 +1400,11 @@ class RunConfig(_message.Message):
         param_norm_every: _builtins.int = ...,
         coordinator_timeout_s: _builtins.float = ...,
         progressive: _builtins.bool = ...,
+        collective_timeout_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "batch_size", b"batch_size", "coordinator_timeout_s", b"coordinator_timeout_s", "dataset_size", b"dataset_size", "epochs", b"epochs", "gamma", b"gamma", "lr_scale_ratio", b"lr_scale_ratio", "param_norm_every", b"param_norm_every", "policy", b"policy", "progressive", b"progressive", "seed", b"seed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "batch_size", b"batch_size", "collective_timeout_s", b"collective_timeout_s", "coordinator_timeout_s", b"coordinator_timeout_s", "dataset_size", b"dataset_size", "epochs", b"epochs", "gamma", b"gamma", "lr_scale_ratio", b"lr_scale_ratio", "param_norm_every", b"param_norm_every", "policy", b"policy", "progressive", b"progressive", "seed", b"seed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -357,6 +357,11 @@ def _invalid_field() -> list[Case]:
                 _c("AdmitMsg", accept=pb.AdmitMsg.Accept(rank=3, run=pb.RunConfig(
                     policy=pb.POLICY_SYNC, backend=pb.BACKEND_GLOO, batch_size=0,
                     coordinator_timeout_s=1.0))), match="batch_size"),
+        _signed("accept-nan-collective-timeout", InvalidField, A3, "AdmitMsg.Accept",
+                _c("AdmitMsg", accept=pb.AdmitMsg.Accept(rank=3, run=pb.RunConfig(
+                    policy=pb.POLICY_SYNC, backend=pb.BACKEND_GLOO, batch_size=1,
+                    coordinator_timeout_s=1.0, collective_timeout_s=float("nan")))),
+                match="collective_timeout_s"),
         _signed("rejoin-hello-other-rank", InvalidField, f"ddpbus.{JOB}.join.rank.2",
                 "JoinMsg.Rejoin", _c("JoinMsg", rejoin=j.Rejoin(hello=hello))),
         _signed("reserved-target-rank", InvalidField, C3, "ControlMsg.Checkpoint",

@@ -144,10 +144,12 @@ def _new_session(draw: st.DrawFn) -> m.NewNcclSession:
 
 _TYPE_OVERRIDES: dict[Any, st.SearchStrategy[Any]] = {
     m.Hello: _hello(),
-    # the decoder refuses a zero batch size and a non-positive coordinator timeout
+    # the decoder refuses a zero batch size, a non-positive coordinator timeout and a
+    # negative or non-finite collective timeout
     m.RunConfig: st.deferred(lambda: builds(
         m.RunConfig, batch_size=st.integers(1, U64_MAX),
-        coordinator_timeout_s=st.floats(min_value=1e-3, max_value=1e12))),
+        coordinator_timeout_s=st.floats(min_value=1e-3, max_value=1e12),
+        collective_timeout_s=st.floats(min_value=0, max_value=1e12))),
 }
 
 TIMING_CLASSES = (
