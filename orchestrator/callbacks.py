@@ -120,14 +120,14 @@ def boundaries(s: State, now: float, out: Out) -> None:
     for epoch in _closing_epochs(s):
         s.pools[epoch].boundary_done = True
         if eval_due(s, epoch):
-            _dispatch_eval(s, epoch, out)
+            dispatch_eval(s, epoch, out)
         if checkpoint_due(s, epoch):
             _dispatch_checkpoint(s, epoch + 1, out)
         s.intents.clear()
         out.append(Record("epoch-boundary", {"epoch": epoch, "global_step": s.global_step}))
 
 
-def _dispatch_eval(s: State, epoch: int, out: Out) -> None:
+def dispatch_eval(s: State, epoch: int, out: Out) -> None:
     target = s.roles.eval
     if not s.ranks[target].alive:
         target = min(r.rank for r in s.alive)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from ddpbus.codecs import messages as m
+from ddpbus.orchestrator import recovery
 from ddpbus.orchestrator.state import (
     Admit,
     Command,
@@ -31,13 +32,13 @@ Out = list[Command]
 _CAPABLE = {"nccl": m.Backend.NCCL, "gloo": m.Backend.GLOO}
 
 
-def _reject(hello: m.Hello, reason: str, out: Out) -> None:
+def reject(hello: m.Hello, reason: str, out: Out) -> None:
     out.append(Admit(m.Reject(rank=hello.rank, generation=hello.generation, reason=reason)))
     out.append(Record("rank-rejected", {"rank": hello.rank, "generation": hello.generation,
                                         "reason": reason}))
 
 
-def _cohort_problem(s: State, hello: m.Hello) -> str | None:
+def cohort_problem(s: State, hello: m.Hello) -> str | None:
     """Why this Hello cannot join the cohort, or None."""
     world = s.config.world_size
     if hello.world_size != world:
@@ -66,28 +67,26 @@ def _cohort_problem(s: State, hello: m.Hello) -> str | None:
 
 
 def on_join(s: State, msg: m.Hello | m.Rejoin, now: float, out: Out) -> None:
-    if isinstance(msg, m.Rejoin):
-        _reject(msg.hello, "rejoining a running job needs elastic recovery, which this "
-                "coordinator build does not have; restart the run", out)
-        return
-    hello = msg
+    """A Hello (or a restarted rank's Rejoin): admission while the cohort gathers,
+    grow-back once the run has formed."""
+    hello = msg.hello if isinstance(msg, m.Rejoin) else msg
     r = s.ranks[hello.rank] if hello.rank < len(s.ranks) else None
     if r is not None and r.hello is not None and r.hello.generation == hello.generation:
         out.append(Refuse("duplicate-hello", f"rank {hello.rank} generation "
                           f"{hello.generation} is already admitted"))
         return
-    if s.phase is not Phase.ADMITTING:
-        _reject(hello, "the run has already formed; elastic join is not in this build", out)
-        return
     if r is None:
-        _reject(hello, f"rank {hello.rank} is outside world size {s.config.world_size}", out)
+        reject(hello, f"rank {hello.rank} is outside world size {s.config.world_size}", out)
         return
     if r.hello is not None and hello.generation < r.hello.generation:
-        _reject(hello, f"stale incarnation: generation {r.hello.generation} already joined", out)
+        reject(hello, f"stale incarnation: generation {r.hello.generation} already joined", out)
         return
-    problem = _cohort_problem(s, hello)
+    if s.phase is not Phase.ADMITTING:
+        recovery.on_rejoin(s, r, hello, now, out)
+        return
+    problem = cohort_problem(s, hello)
     if problem is not None:
-        _reject(hello, problem, out)
+        reject(hello, problem, out)
         return
     _admit(s, r, hello, now, out)
 
@@ -153,13 +152,17 @@ def on_new_id(s: State, msg: m.NewNcclIdGenerated, now: float, out: Out) -> bool
                           f"elected generator is rank {rv.generator}"))
         return False
     members = [r.rank for r in s.alive]
+    initial = s.sessions == 0  # the run's first: every replica starts from new rank 0's
     for new_rank, rank in enumerate(members):
         out.append(Send(m.NewNcclSession(uid_bytes=msg.uid_bytes, new_rank=new_rank,
-                                         new_world_size=len(members)), rank=rank))
+                                         new_world_size=len(members), initial=initial),
+                        rank=rank))
     s.rendezvous = None
     s.sessions += 1
     out.append(Record("session-formed", {"session": s.sessions, "members": members,
                                          "generator": msg.rank}))
+    if not initial:
+        recovery.after_session(s, now, out)
     return True
 
 
@@ -184,22 +187,14 @@ def check_rendezvous(s: State, now: float, out: Out) -> None:
 
 def check_liveness(s: State, now: float, out: Out) -> None:
     timeout = s.schedule.heartbeat_timeout.total_seconds()
-    for r in s.alive:
-        if now - r.last_heard > timeout:
-            declare_dead(s, r, f"silent for {now - r.last_heard:.1f}s", now, out)
+    silent = [(r, f"silent for {now - r.last_heard:.1f}s") for r in s.alive
+              if now - r.last_heard > timeout]
+    if silent:
+        recovery.declare_dead_all(s, silent, now, out)
 
 
 def declare_dead(s: State, r: RankState, why: str, now: float, out: Out) -> None:
-    if not r.alive:
-        return  # exactly once
-    r.alive, r.dead = False, True
-    out.append(Record("rank-dead", {"rank": r.rank, "why": why}))
-    survivors = len(s.alive)
-    reason = (m.SaveReason.ALL_RANKS_LOST if survivors == 0 else
-              m.SaveReason.SINGLE_SURVIVOR if survivors == 1 else
-              m.SaveReason.MAX_FAILURE_EXCEEDED)
-    end_run(s, reason, f"rank {r.rank} is dead ({why}); this build tolerates no rank loss "
-            "(elastic shrink is not in it)", now, out)
+    recovery.declare_dead(s, r, why, now, out)
 
 
 def on_exiting(s: State, r: RankState, now: float, out: Out) -> None:
@@ -211,8 +206,12 @@ def on_exiting(s: State, r: RankState, now: float, out: Out) -> None:
     out.append(Record("rank-exited", {"rank": r.rank}))
     if s.phase is Phase.DRAINING:
         maybe_done(s, now, out)
+    elif was_alive and s.phase is Phase.ADMITTING:
+        r.hello = None  # it may come back with a new Hello
     elif was_alive:
-        end_run(s, m.SaveReason.GRACEFUL_SHUTDOWN, f"rank {r.rank} left the run", now, out)
+        # a graceful leave mid-run (SIGTERM, an eviction): shrink around it like a death,
+        # without counting it against max_failure; it may rejoin later
+        recovery.lose(s, r, now, out)
 
 
 def end_run(s: State, reason: m.SaveReason, text: str, now: float, out: Out) -> None:

@@ -25,6 +25,9 @@ class Assignment:
     size: int
     done: int = 0
     metrics: m.MetricsMsg | None = None
+    # its rank died: only the first ``size`` batches (those in the consensus) stayed; the
+    # rest was reassigned and this plan's metrics, if any, no longer describe it
+    orphaned: bool = False
 
     @property
     def complete(self) -> bool:
@@ -68,7 +71,8 @@ class Pool:
     @property
     def reported(self) -> bool:
         """Trained, and every assignment's metrics arrived: ready to aggregate."""
-        return self.trained and all(a.metrics is not None for _, a in self.assignments)
+        return self.trained and all(a.metrics is not None or a.orphaned
+                                    for _, a in self.assignments)
 
     def take(self, rank: int, size: int, now: float) -> Assignment | None:
         size = min(size, self.remaining)
@@ -80,6 +84,34 @@ class Pool:
         if self.first_dispatch_at is None:
             self.first_dispatch_at = now
         return a
+
+    def reassign(self, rank: int, offset: int, size: int) -> Assignment:
+        """Batches ``[offset, offset + size)`` handed out before, now given to ``rank`` (a
+        dead rank's lost work); the cursor does not move."""
+        a = Assignment(epoch=self.epoch, offset=offset, size=size)
+        self.assignments.append((rank, a))
+        return a
+
+    def drop(self, a: Assignment) -> None:
+        self.assignments = [(r, x) for r, x in self.assignments if x is not a]
+
+    def coverage_gaps(self) -> list[tuple[int, int]]:
+        """Where the assignments fail to tile ``[0, cursor)`` exactly once: ``(batch,
+        times_covered)`` for the first batch of each wrong stretch (empty = exact)."""
+        edges: dict[int, int] = {}
+        for _, a in self.assignments:
+            if a.size > 0:
+                edges[a.offset] = edges.get(a.offset, 0) + 1
+                edges[a.offset + a.size] = edges.get(a.offset + a.size, 0) - 1
+        wrong, depth, last = [], 0, 0
+        for at in sorted(edges):
+            if at > last and depth != 1 and last < self.cursor:
+                wrong.append((last, depth))
+            depth += edges[at]
+            last = at
+        if last < self.cursor:
+            wrong.append((last, depth))
+        return wrong
 
     def chunks(self) -> dict[int, list[m.MetricsMsg]]:
         out: dict[int, list[m.MetricsMsg]] = {}

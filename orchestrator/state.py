@@ -130,12 +130,19 @@ class RankState:
     alive: bool = False  # admitted, not dead, not exited
     exited: bool = False
     dead: bool = False
+    fresh: bool = False  # rejoined: no work until an average gave it the consensus
     last_heard: float = 0.0
     step: int = 0  # the rank's last reported local step
     window_start: int = 0  # the rank's local step when the open window began
     lr: float | None = None
     last_loss: float | None = None
     queue: deque[Assignment] = field(default_factory=deque)  # dispatched, in order
+    # every assignment not yet wholly in the consensus, in training order; the first one
+    # starts at local step ``history_base``. ``sealed``: the local step up to which this
+    # rank's batches are in a completed average (what a death cannot take away)
+    history: deque[Assignment] = field(default_factory=deque)
+    history_base: int = 0
+    sealed: int = 0
     batches_total: int = 0
     # the open window
     steps: int = 0
@@ -152,6 +159,16 @@ class RankState:
     pre_norm: float | None = None
     post_norm: float | None = None
     callback_ms: dict[str, float] = field(default_factory=dict)  # EWMA per callback kind
+
+    def give(self, a: Assignment) -> None:
+        self.queue.append(a)
+        self.history.append(a)
+
+    def seal(self, step: int) -> None:
+        """This rank's batches up to local step ``step`` are in a completed average."""
+        self.sealed = max(self.sealed, step)
+        while self.history and self.history_base + self.history[0].size <= self.sealed:
+            self.history_base += self.history.popleft().size
 
     def in_flight(self) -> int:
         return sum(a.remaining for a in self.queue)
@@ -201,9 +218,18 @@ class State:
     run: m.RunConfig | None = None
     rendezvous: Rendezvous | None = None
     sessions: int = 0
+    deaths: int = 0
+    rejoins: int = 0
+    orphans: list[int] = field(default_factory=list)  # dead ranks whose lost work awaits
+    # the settling of the round they may have been part of
+    round_members: tuple[int, ...] = ()  # ranks in the latest SyncNow
+    round_ok: bool | None = None  # None: no ack yet; True: some rank completed it
+    round_moved: bool = False  # the latest round had mass (it realised a consensus)
+    resync: bool = False  # a collective failed: average again even if nobody moved
     training_started_at: float | None = None
     first_batch_at: float | None = None
     settled_at: float | None = None  # when the latest average was acknowledged by all
+    settled_round: int = 0
     finished_at: float | None = None
     pools: dict[int, Pool] = field(default_factory=dict)
     epoch: int = 0  # the epoch being dispatched

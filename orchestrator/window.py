@@ -13,7 +13,7 @@ for acks), epoch-boundary callbacks go out, and the next window opens.
 from __future__ import annotations
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator import callbacks
+from ddpbus.orchestrator import callbacks, recovery
 from ddpbus.orchestrator.aggregate import aggregate_epoch
 from ddpbus.orchestrator.elche import RankWindow, WindowReport, clamp_total
 from ddpbus.orchestrator.pools import Pool, equal_split, proportional_split
@@ -130,14 +130,14 @@ def _satisfied(r: RankState) -> bool:
 
 
 def maybe_average(s: State, now: float, out: Out) -> None:
-    if s.phase is not Phase.TRAINING:
-        return
+    if s.phase is not Phase.TRAINING or s.rendezvous is not None or s.orphans:
+        return  # (no collective while the communicator is being rebuilt)
     alive = s.alive
     if not alive or not all(r.acked for r in alive) or not all(_satisfied(r) for r in alive):
         return
-    if any(r.steps > 0 for r in alive):
+    if any(r.steps > 0 for r in alive) or s.resync:
         sync(s, now, out)
-    elif not _pool(s, s.epoch).trained:
+    elif not _pool(s, s.epoch).trained and not any(r.in_flight() > r.target for r in alive):
         return  # no empty reduces, and nothing to move on to
     # (an epoch can end with nobody moved since the last average: under async a rank may
     # train its last batch just before the SyncNow that averages it in; then the boundary
@@ -165,6 +165,8 @@ def sync(s: State, now: float, out: Out) -> None:
     if s.pending_verdict is not None:
         s.elche.apply_verdict(s.pending_verdict)
         s.pending_verdict = None
+    s.round_members, s.round_ok = tuple(steps), None
+    s.round_moved, s.resync = s.resync or any(steps.values()), False
     for r in alive:
         r.acked, r.sync_step, r.window_start = False, r.step, r.step
         r.steps, r.compute_ms, r.delivered_ms, r.delivered_batches, r.fill_ms = 0, 0., 0., 0, None
@@ -182,7 +184,17 @@ def on_sync_ack(s: State, r: RankState, msg: m.SyncAck, now: float, out: Out) ->
                           "pending for it"))
         return
     r.acked = True
-    r.divergence, r.pre_norm, r.post_norm = msg.divergence, msg.pre_norm, msg.post_norm
+    if msg.failed:
+        # the collective failed (a peer died or hung): this rank kept its own parameters
+        # and carries its steps into the next average; a new communicator is needed
+        s.resync = True
+        s.round_ok = bool(s.round_ok)
+        out.append(Record("average-failed", {"round": s.rounds, "rank": r.rank}))
+    else:
+        s.round_ok = True
+        if s.round_moved:
+            r.fresh = False  # the average handed it the consensus
+        r.divergence, r.pre_norm, r.post_norm = msg.divergence, msg.pre_norm, msg.post_norm
     unreported = msg.step_count - r.step
     if 0 < unreported <= r.in_flight():  # Batch reports lost on the way: the ack tells
         out.append(Record("batch-reports-missing", {"rank": r.rank, "batches": unreported}))
@@ -195,15 +207,34 @@ def on_sync_ack(s: State, r: RankState, msg: m.SyncAck, now: float, out: Out) ->
         r.steps = max(0, r.step - r.window_start)
         r.target = min(r.target, r.steps + r.in_flight())
         s.global_step += carried
+    if not msg.failed:
+        r.seal(msg.step_count)
+    settle(s, now, out)
+
+
+def settle(s: State, now: float, out: Out) -> None:
+    """Once every alive rank answered the latest SyncNow: the guard's verdict, the lost work
+    of ranks that died in the round, a new communicator after a failed collective."""
     alive = s.alive
-    if all(x.acked for x in alive):
-        s.settled_at = now
-        s.reduce_ms = (now - (s.sync_sent_at or now)) * 1000.0
-        divergences = [x.divergence for x in alive if x.divergence is not None]
+    if not all(x.acked for x in alive) or s.settled_round >= s.rounds:
+        if s.orphans and all(x.acked for x in alive):
+            recovery.resolve_orphans(s, now, out)
+        return
+    s.settled_at, s.settled_round = now, s.rounds
+    s.reduce_ms = (now - (s.sync_sent_at or now)) * 1000.0
+    if s.round_ok is False:
+        out.append(Record("averaged", {"round": s.rounds, "failed": True}))
+    else:
+        movers = [x for x in alive if x.rank in s.round_members]
+        divergences = [x.divergence for x in movers if x.divergence is not None]
         s.pending_verdict = s.guard.observe(divergences)
         out.append(Record("averaged", {"round": s.rounds, "reduce_ms": s.reduce_ms,
                                        "divergence": max(divergences, default=0.0),
                                        "verdict": s.pending_verdict.verdict.value}))
+    if s.orphans:
+        recovery.resolve_orphans(s, now, out)
+    if s.resync and s.rendezvous is None and s.phase in (Phase.TRAINING, Phase.FINISHING):
+        recovery.rebuild(s, "a collective failed", now, out)
     callbacks.maybe_finish(s, now, out)
 
 
@@ -236,7 +267,7 @@ def _send_plans(s: State, r: RankState, size: int, now: float, out: Out, *,
     while given < size and epoch < s.schedule.epochs:
         a = _pool(s, epoch).take(r.rank, size - given, now)
         if a is not None:
-            r.queue.append(a)
+            r.give(a)
             given += a.size
             out.append(Send(m.StartEpoch(plan=a.plan(s.schedule.batch_size)), rank=r.rank))
         if not stream:
@@ -246,9 +277,11 @@ def _send_plans(s: State, r: RankState, size: int, now: float, out: Out, *,
 
 
 def open_window(s: State, now: float, out: Out) -> None:
-    if not _advance(s):
+    more = _advance(s)
+    if not more and not any(r.in_flight() for r in s.alive):
         callbacks.enter_finishing(s, now, out)
         return
+    # (with no epoch left to dispatch, windows go on while reassigned work is in flight)
     pool = _pool(s, s.epoch)
     callbacks.announce_role(s, out)
     mark = len(out)  # SetGlobalStep opens the window: it goes before this window's plans
@@ -258,12 +291,12 @@ def open_window(s: State, now: float, out: Out) -> None:
         counts = dict.fromkeys(counts, 1)
     overshoot = s.schedule.overshoot(s.total_batches)
     progressive = s.schedule.effective_progressive
-    if progressive:
+    if progressive and more:
         _dispatch_progressive(s, counts, now, out)
-    elif pool.cursor == 0:
+    elif more and pool.cursor == 0:
         _dispatch_partitions(s, pool, now, out)
     for r in alive:
-        in_flight = r.in_flight()
+        in_flight = r.in_flight() if not r.fresh else 0
         r.target = min(counts[r.rank], in_flight)
         r.budget = min(in_flight, r.target + overshoot) if not progressive else \
             r.target + overshoot
@@ -281,7 +314,8 @@ def _available(s: State, *, stream: bool) -> int:
 
 def _dispatch_progressive(s: State, counts: dict[int, int], now: float, out: Out) -> None:
     stream = s.schedule.policy is m.Policy.ASYNC
-    wants = {r.rank: max(0, counts[r.rank] - r.in_flight()) for r in s.alive}
+    wants = {r.rank: max(0, counts[r.rank] - r.in_flight()) if not r.fresh else 0
+             for r in s.alive}
     available = _available(s, stream=stream)
     if sum(wants.values()) > available:
         wants = clamp_total({r: w for r, w in wants.items() if w > 0}, available) | {
@@ -293,7 +327,7 @@ def _dispatch_progressive(s: State, counts: dict[int, int], now: float, out: Out
 
 def _dispatch_partitions(s: State, pool: Pool, now: float, out: Out) -> None:
     """Non-progressive: the whole epoch at once, one consecutive slice per rank (C.7)."""
-    ranks = [r.rank for r in s.alive]
+    ranks = [r.rank for r in s.alive if not r.fresh] or [r.rank for r in s.alive]
     if s.schedule.is_sync or not s.elche.calibrated:
         sizes = equal_split(pool.total, ranks)
     else:
@@ -302,7 +336,7 @@ def _dispatch_partitions(s: State, pool: Pool, now: float, out: Out) -> None:
         r = s.ranks[rank]
         a = pool.take(rank, sizes[rank], now)
         if a is not None:
-            r.queue.append(a)
+            r.give(a)
             out.append(Send(m.StartEpoch(plan=a.plan(s.schedule.batch_size)), rank=rank))
 
 

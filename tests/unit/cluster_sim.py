@@ -20,6 +20,7 @@ from ddpbus.codecs import messages as m
 from ddpbus.orchestrator.config import Schedule
 from ddpbus.orchestrator.core import initial_state, transition
 from ddpbus.orchestrator.state import (
+    Admit,
     Command,
     CoreConfig,
     Event,
@@ -54,6 +55,11 @@ class SimRank:
     idle_since: float | None = 0.0
     exited: bool = False
     silent: bool = False  # stops answering (a hung process)
+    killed: bool = False  # the process is gone: its collectives fail at once for peers
+    generation: int = 1
+    uid: bytes | None = None  # the communicator it is in
+    unsealed: list[tuple[int, int]] = field(default_factory=list)  # trained, not averaged
+    admitted: bool = True  # a restarted incarnation drops control traffic until its Accept
     received: list[m.ControlMsg] = field(default_factory=list)
     inbox: deque[m.ControlMsg] = field(default_factory=deque)  # read between batches
 
@@ -84,6 +90,13 @@ class Sim:
         self.sent: list[tuple[float, int | None, m.ControlMsg]] = []
         self.delivered: list[tuple[float, Event]] = []  # every event fed to the core
         self.batch_log: list[tuple[float, int, int, int]] = []  # (time, rank, epoch, batch)
+        # the model's content: how often each (epoch, batch) went into a completed average
+        self.consensus: Counter[tuple[int, int]] = Counter()
+        self.sessions: dict[bytes, int] = {}  # uid -> world size
+        self.broken: set[bytes] = set()  # communicators a member of which died
+        self.pending: dict[bytes, list[SimRank]] = {}  # ranks inside a collective
+        self.collective_timeout = schedule.effective_collective_timeout.total_seconds()
+        self._uids = itertools.count(1)
 
     # ----------------------------------------------------------------- plumbing
 
@@ -106,6 +119,10 @@ class Sim:
                     self.at(self.now + self.latency, lambda t=t, msg=c.msg: self._rank_gets(t, msg))
             elif isinstance(c, Finish):
                 self.finish = c
+            elif isinstance(c, Admit) and isinstance(c.msg, m.Accept):
+                r = self.ranks[c.msg.rank]
+                if r.generation == c.msg.generation:
+                    self.at(self.now + self.latency, lambda r=r: setattr(r, "admitted", True))
 
     def _ticker(self) -> None:
         if self.finish is None:
@@ -140,9 +157,74 @@ class Sim:
 
     # -------------------------------------------------------------------- ranks
 
+    # ------------------------------------------------------------------- faults
+
+    def kill(self, rank: int) -> None:
+        """The rank's process dies: what it trained since its last average is lost, peers
+        inside a collective with it fail at once (gloo sees the socket close)."""
+        r = self.ranks[rank]
+        r.silent = r.killed = True
+        r.unsealed.clear()
+        if r.uid is not None:
+            self.broken.add(r.uid)
+            self._fail(r.uid)
+
+    def hang(self, rank: int) -> None:
+        """The rank stops (SIGSTOP): peers' collectives time out."""
+        self.ranks[rank].silent = True
+
+    def restart(self, rank: int) -> None:
+        """A new incarnation of a dead rank joins with the next generation."""
+        old = self.ranks[rank]
+        if not old.killed:
+            self.kill(rank)
+        r = self.ranks[rank] = SimRank(rank=rank, ms_per_batch=old.ms_per_batch,
+                                       generation=old.generation + 1, admitted=False)
+        self.to_core(Joined(m.Hello(rank=rank, generation=r.generation, host="sim",
+                                    device="cpu", model_signature=SIG,
+                                    world_size=len(self.ranks), backend="gloo",
+                                    dataset_size=self.dataset_size)))
+
+    def _enter_collective(self, r: SimRank) -> None:
+        if r.uid is None or r.uid in self.broken:
+            self._ack(r, failed=True)
+            return
+        inside = self.pending.setdefault(r.uid, [])
+        inside.append(r)
+        r.busy = True
+        if len(inside) == self.sessions[r.uid]:
+            del self.pending[r.uid]
+            for x in inside:
+                self.consensus.update(x.unsealed)
+                x.unsealed.clear()
+                x.busy = False
+                self._ack(x, failed=False)
+                self._drain(x)
+            return
+        uid = r.uid
+        self.at(self.now + self.collective_timeout, lambda: self._fail(uid, only=r))
+
+    def _fail(self, uid: bytes, only: SimRank | None = None) -> None:
+        inside = self.pending.get(uid, [])
+        if only is not None and only not in inside:
+            return  # that collective completed (or failed) already
+        self.pending.pop(uid, None)
+        self.broken.add(uid)
+        for x in inside:
+            x.busy = False
+            x.uid = None
+            if not x.killed:
+                self._ack(x, failed=True)  # keeps its unsealed batches for the next round
+                self._drain(x)
+
+    def _ack(self, r: SimRank, *, failed: bool) -> None:
+        self.to_core(Timing(m.SyncAck(rank=r.rank, step_count=r.step, divergence=0.01,
+                                      pre_norm=1.0, post_norm=1.0, failed=failed)))
+        r.steps = 0
+
     def _rank_gets(self, index: int, msg: m.ControlMsg) -> None:
         r = self.ranks[index]
-        if r.exited or r.silent:
+        if r.exited or r.silent or not r.admitted:
             return
         r.received.append(msg)
         r.inbox.append(msg)
@@ -156,7 +238,20 @@ class Sim:
 
     def _handle(self, r: SimRank, msg: m.ControlMsg) -> None:
         if isinstance(msg, m.RequestNewNcclId):
-            self.to_core(Timing(m.NewNcclIdGenerated(rank=r.rank, uid_bytes=UID)))
+            uid = next(self._uids).to_bytes(m.NCCL_ID_BYTES, "big")
+            self.to_core(Timing(m.NewNcclIdGenerated(rank=r.rank, uid_bytes=uid)))
+        elif isinstance(msg, m.NewNcclSession):
+            self.sessions[msg.uid_bytes] = msg.new_world_size
+            r.uid = msg.uid_bytes
+        elif isinstance(msg, m.DeclareDead):
+            if msg.rank == r.rank:
+                r.silent = True  # fenced: a rank declared dead exits
+            else:
+                r.uid = None  # leaves the process group until the next session
+        elif isinstance(msg, m.ExtendPartition):
+            bs = self.config.schedule.batch_size
+            r.plans.append([msg.epoch, msg.partition_offset // bs, msg.partition_size // bs,
+                            0])
         elif isinstance(msg, m.SetGlobalStep):
             r.budget = msg.step_budget[r.rank] if msg.step_budget else 10**9
         elif isinstance(msg, m.StartEpoch):
@@ -164,9 +259,8 @@ class Sim:
             bs = self.config.schedule.batch_size
             r.plans.append([p.epoch, p.partition_offset // bs, p.partition_size // bs, 0])
         elif isinstance(msg, m.SyncNow):
-            self.to_core(Timing(m.SyncAck(rank=r.rank, step_count=r.step, divergence=0.01,
-                                          pre_norm=1.0, post_norm=1.0)))
-            r.steps, r.budget = 0, 0
+            r.budget = 0
+            self._enter_collective(r)
         elif isinstance(msg, m.ExecuteEvalCallback):
             self._callback(r, lambda: Timing(m.EvalResult(
                 rank=r.rank, schedule_id=msg.schedule_id, epoch=msg.epoch, metric=0.9,
@@ -209,6 +303,7 @@ class Sim:
         plan = r.plans[0]
         epoch, first, size, done = plan
         r.trained[(epoch, first + done)] += 1
+        r.unsealed.append((epoch, first + done))
         self.batch_log.append((self.now, r.rank, epoch, first + done))
         plan[3] += 1
         r.step += 1

@@ -15,7 +15,7 @@ from core_harness import (
 )
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator.state import Admit, Joined, Phase, Send, Tick, Timing
+from ddpbus.orchestrator.state import Admit, Joined, Phase, Send, Stop, Tick, Timing
 
 # ------------------------------------------------------------------ admission
 
@@ -92,20 +92,34 @@ def test_stale_generation_is_rejected() -> None:
     assert hello_now.generation == 2
 
 
-def test_rejoin_is_rejected() -> None:
+def test_rejoin_of_a_live_rank_replaces_its_old_incarnation() -> None:
     core = Core()
     core.form()
     out = core.feed(Joined(m.Rejoin(hello=hello(0, generation=2), resume_stream_seq=7)))
-    assert rejected(out)
+    assert accepted(out)
+    assert [f["rank"] for f in records(out, "rank-dead")] == [0]
+    assert [s.msg.rank for s in sends(out, m.DeclareDead)] == [0]
     hello_now = core.state.ranks[0].hello
     assert hello_now is not None
-    assert hello_now.generation == 1
+    assert hello_now.generation == 2
+    assert core.state.ranks[0].alive and core.state.ranks[0].fresh
 
 
-def test_hello_after_formation_is_rejected() -> None:
+def test_rejoin_with_another_model_is_rejected_and_changes_nothing() -> None:
     core = Core()
     core.form()
-    assert rejected(core.join(1, generation=2))
+    out = core.join(1, generation=2, sig=b"\x33" * m.MODEL_SIGNATURE_BYTES)
+    assert "model signature" in rejected(out)[0]
+    assert not records(out, "rank-dead")
+    hello_now = core.state.ranks[1].hello
+    assert hello_now is not None and hello_now.generation == 1
+
+
+def test_join_after_the_run_ended_is_rejected() -> None:
+    core = Core()
+    core.form()
+    core.feed(Stop())
+    assert "draining" in rejected(core.join(1, generation=2))[0]
 
 
 # ---------------------------------------------------------------- rendezvous

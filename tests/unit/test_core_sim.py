@@ -291,7 +291,8 @@ def test_cadence_never_overshoots_its_count() -> None:
 
 
 def test_rank_gone_silent_is_declared_dead_once_and_the_run_aborts() -> None:
-    sim = make("cadence", dataset=2400, epochs=3)
+    # min_world=2 is the reference's rule: a lone survivor ends the run (SingleSurvivor)
+    sim = make("cadence", dataset=2400, epochs=3, knobs={"min_world": 2})
 
     def hang() -> None:
         sim.ranks[1].silent = True
