@@ -132,7 +132,9 @@ class StreamReader:
         self._heartbeat = heartbeat
         self._pending = 0  # messages requested and not yet delivered or expired
         self.delivered = 0
+        self.redelivered = 0  # dropped: already handled (an ack that did not arrive in time)
         self.last_stream_seq = 0
+        self.handled_seq = 0  # the newest stream sequence handed to ``handler``
 
     async def _request(self) -> None:
         body = {"batch": self._batch, "expires": int(self._expires * 1e9),
@@ -166,7 +168,12 @@ class StreamReader:
                     continue
                 self._pending -= 1
                 self.delivered += 1
-                await self._handler(msg)
+                seq = _stream_seq(msg)
+                if seq is not None and seq <= self.handled_seq:
+                    self.redelivered += 1  # at-least-once below, exactly-once above
+                else:
+                    self.handled_seq = seq or self.handled_seq
+                    await self._handler(msg)
                 last, unacked = msg, unacked + 1
                 if unacked >= ACK_EVERY:
                     await self._ack(last)
@@ -198,6 +205,13 @@ class StreamReader:
             log.warning("could not ack stream sequence %s: %s", self.last_stream_seq, exc)
 
 
+def _stream_seq(msg: Msg) -> int | None:
+    try:
+        return int(msg.metadata.sequence.stream)
+    except (ValueError, AttributeError, nats.errors.Error):
+        return None
+
+
 class Publisher:
     """Ordered, pipelined publishing to the job stream.
 
@@ -220,13 +234,20 @@ class Publisher:
         self._idle.set()
         self._acked = asyncio.Event()
         self._outstanding = 0  # submitted and not yet stored (or given up)
+        self._unstored: deque[Outbound] = deque()  # acked submissions not yet stored, in order
         self.published = 0
         self.failed: PublishFailed | None = None
 
     def submit(self, out: Outbound, *, acked: bool = True) -> None:
         self._outstanding += 1
         self._idle.clear()
+        if acked:
+            self._unstored.append(out)
         self._queue.put_nowait((out, acked))
+
+    def unstored(self) -> list[Outbound]:
+        """Stream-bound messages submitted and not yet stored, in submission order."""
+        return list(self._unstored)
 
     async def run(self) -> None:
         checker = asyncio.create_task(self._check_acks(), name="publisher-acks")
@@ -263,6 +284,8 @@ class Publisher:
             except (*_NATS_ERRORS, ConnectionError):
                 await self._retry(out)
             self._inflight.popleft()
+            if self._unstored and self._unstored[0] is out:
+                self._unstored.popleft()
             self._window.release()
             self._done()
 

@@ -97,6 +97,8 @@ class WorkerAgent:
         self._last_coordinator = time.monotonic()
         self._done: asyncio.Future[Outcome] | None = None
         self._floor = 0  # coordinator generation fence, from Accept
+        self.dropped_before_accept = 0
+        self.resume_seq = 0  # this rank's consumer had acked this far: a restart
 
     # ------------------------------------------------------------------ entry
 
@@ -160,12 +162,19 @@ class WorkerAgent:
 
     async def _lifecycle(self, trainer: Trainer, device: torch.device) -> int:
         s = self.settings
-        self._send(m.Hello(rank=s.rank, generation=self.generation, host=socket.gethostname(),
-                           device=str(device), model_signature=model_signature(trainer.model),
-                           world_size=s.world_size, pid=os.getpid(),
-                           backend="nccl" if device.type == "cuda" else "gloo",
-                           torch_version=torch.__version__, dataset_size=len(trainer.dataset)))
-        log.info("rank %d: hello sent (generation %d, %s)", s.rank, self.generation, device)
+        loaded = trainer.load_consensus()
+        hello = m.Hello(rank=s.rank, generation=self.generation, host=socket.gethostname(),
+                        device=str(device), model_signature=model_signature(trainer.model),
+                        world_size=s.world_size, pid=os.getpid(),
+                        backend="nccl" if device.type == "cuda" else "gloo",
+                        torch_version=torch.__version__, dataset_size=len(trainer.dataset))
+        if self.resume_seq:  # this rank's consumer has progress: a restarted incarnation
+            self._send(m.Rejoin(hello=hello, resume_stream_seq=self.resume_seq,
+                                checkpoint_version=loaded))
+        else:
+            self._send(hello)
+        log.info("rank %d: %s sent (generation %d, %s)", s.rank,
+                 "rejoin" if self.resume_seq else "hello", self.generation, device)
         accept = await self._await_admission()
         if accept is None:
             return EXIT_REJECTED
@@ -232,7 +241,9 @@ class WorkerAgent:
 
     async def _ensure_consumer(self, js: JetStreamContext) -> None:
         config = consumer_configs(self.settings.job, self.rank + 1, JobStorage())[-1]
-        await js.add_consumer(sj.stream_name(self.settings.job), config)
+        info = await js.add_consumer(sj.stream_name(self.settings.job), config)
+        floor = info.ack_floor.stream_seq if info.ack_floor is not None else 0
+        self.resume_seq = floor or 0
 
     def _send(self, msg: m.Message, durable: bool = True) -> None:
         s = self.settings
@@ -268,6 +279,11 @@ class WorkerAgent:
             self._refused(exc)
             return
         self._last_coordinator = time.monotonic()
+        if env.sender == sj.COORDINATOR and env.generation > self._floor and self._floor:
+            # a newer coordinator took over (its lease): its predecessor is fenced from now on
+            log.warning("rank %d: coordinator generation %d took over from %d", self.rank,
+                        env.generation, self._floor)
+            self._floor = env.generation
         body = env.message
         if isinstance(body, m.Accept | m.Reject):
             self._on_admit(body)
@@ -276,6 +292,10 @@ class WorkerAgent:
         elif isinstance(body, m.Shutdown | m.ShutdownWithSave) and self._waiting_admission():
             self._admitted.set_exception(  # type: ignore[union-attr]
                 DdpbusError("the run ended before this rank was admitted"))
+        elif self._waiting_admission():
+            # traffic before this incarnation's Accept was for an older one (a restart
+            # replays its consumer's unacked tail); the coordinator reassigned that work
+            self.dropped_before_accept += 1
         elif isinstance(body, m.ControlMsg):
             self.trainer.inbox.put(body)
 

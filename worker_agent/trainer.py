@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store  # typed re-exports of dist.*
 
 from ddpbus.codecs import messages as m
-from ddpbus.worker_agent import averaging, callbacks
+from ddpbus.worker_agent import averaging, callbacks, checkpoint
 from ddpbus.worker_agent.data import BatchFetcher, plan_indices
 from ddpbus.worker_agent.spec import (
     ScalarLedger,
@@ -142,6 +142,7 @@ class Trainer(threading.Thread):
         self._lr_scale = 1.0
         self._group_ratios: list[float] = []
         self._last_lr: float | None = None
+        self._carry = 0  # steps of failed averages, carried into the next one
 
     # ------------------------------------------------------------------ set-up
 
@@ -161,6 +162,23 @@ class Trainer(threading.Thread):
             for g in self.optimizer.param_groups:
                 g["lr"] = float(g["lr"]) * self._lr_scale
         torch.manual_seed(run.seed + 1 + self.rank)  # per-rank randomness (dropout, ...)
+
+    def load_consensus(self) -> int:
+        """A restarted rank starts from the latest consensus model in ``out_dir`` if there
+        is one (a warm start: it takes no work before an average hands it the live
+        consensus anyway). Returns that model's global step, 0 if none was loaded."""
+        out = self.settings.out_dir
+        path = out / "consensus.safetensors" if out is not None else None
+        if path is None or not path.exists():
+            return 0
+        try:
+            meta = checkpoint.load_model(path, self.model)
+        except checkpoint.CheckpointError as exc:
+            log.warning("rank %d: not resuming from %s: %s", self.rank, path, exc)
+            return 0
+        log.info("rank %d: loaded the consensus model of global step %s from %s", self.rank,
+                 meta.get("global_step"), path)
+        return int(meta.get("global_step") or 0)
 
     def outbox(self, msg: m.Message, *, durable: bool = True) -> None:
         """Queue a report; :meth:`release` hands the queue to the agent in order."""
@@ -195,7 +213,9 @@ class Trainer(threading.Thread):
 
     def _can_train(self) -> bool:
         w = self.window
-        return (self.group_ready and w.open and w.steps < w.budget and bool(self.plans)
+        # a rank keeps training inside its window while a lost peer's communicator is
+        # rebuilt (sessions > 0): only the collective needs the group
+        return (self.sessions > 0 and w.open and w.steps < w.budget and bool(self.plans)
                 and not self.throttled)
 
     def _loop(self) -> Outcome:
@@ -233,15 +253,22 @@ class Trainer(threading.Thread):
         self._leave_group()
         backend = "nccl" if run.backend is m.Backend.NCCL else "gloo"
         prefix = f"pg/{msg.uid_bytes[:16].hex()}/"
-        timeout = timedelta(seconds=run.coordinator_timeout_s + 30.0)
+        # a collective with a dead or hung peer fails after this (then SyncAck{failed})
+        timeout = timedelta(seconds=run.collective_timeout_s or run.coordinator_timeout_s + 30.0)
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = self.device
-        dist.init_process_group(backend, store=PrefixStore(prefix, self.settings.store_factory()),
-                                rank=msg.new_rank, world_size=msg.new_world_size,
-                                timeout=timeout, **kwargs)
-        if self.sessions == 0:
-            averaging.broadcast_from_root(self.flat)  # every replica starts from rank 0's
+        try:
+            dist.init_process_group(backend, store=PrefixStore(
+                prefix, self.settings.store_factory()), rank=msg.new_rank,
+                world_size=msg.new_world_size, timeout=timeout, **kwargs)
+            if msg.initial:
+                averaging.broadcast_from_root(self.flat)  # every replica starts from rank 0's
+        except Exception:  # a member died while the group formed: wait for the next session
+            log.exception("rank %d: forming session (rank %d of %d) failed", self.rank,
+                          msg.new_rank, msg.new_world_size)
+            self._leave_group()
+            return
         self.sessions += 1
         self.group_ready = True
         self.ready_at = time.perf_counter()
@@ -249,14 +276,24 @@ class Trainer(threading.Thread):
                  backend, msg.new_rank, msg.new_world_size)
 
     def _leave_group(self) -> None:
-        if self.group_ready and dist.is_initialized():
-            dist.destroy_process_group()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a broken group may fail to tear down; it is gone either way
+                log.warning("rank %d: tearing down the process group failed", self.rank,
+                            exc_info=True)
         self.group_ready = False
 
-    def _on_declare_dead(self, msg: m.DeclareDead) -> None:
+    def _on_declare_dead(self, msg: m.DeclareDead) -> Outcome | None:
+        if msg.rank == self.rank:
+            # fenced: the cohort has moved on without this incarnation (it was stopped or
+            # cut off); its work was reassigned, so it must not train or average again
+            log.error("rank %d: the coordinator declared this rank dead; exiting", self.rank)
+            return Outcome(clean=False, reason="declared dead by the coordinator")
         log.warning("rank %d: rank %d declared dead; leaving the process group until a new "
                     "session", self.rank, msg.rank)
         self._leave_group()
+        return None
 
     def _on_request_id(self, _msg: m.RequestNewNcclId) -> None:
         self.outbox(m.NewNcclIdGenerated(rank=self.rank, uid_bytes=os.urandom(m.NCCL_ID_BYTES)))
@@ -277,28 +314,38 @@ class Trainer(threading.Thread):
         self.plans.append(Plan(epoch=p.epoch, indices=idx, batch_size=run.batch_size))
 
     def _on_extend(self, msg: m.ExtendPartition) -> None:
+        """A dead peer's lost batches: a plan of its own (its own MetricsMsg)."""
         run = self._run()
-        epoch = self.plans[-1].epoch if self.plans else (self.epoch or 0)
-        extra = plan_indices(run.dataset_size, run.seed, epoch, msg.partition_offset,
-                             msg.partition_size)
-        if self.plans and self.plans[-1].epoch == epoch:
-            last = self.plans[-1]
-            last.indices = np.concatenate([last.indices, extra])
-        else:
-            self.plans.append(Plan(epoch=epoch, indices=extra, batch_size=run.batch_size))
+        idx = plan_indices(run.dataset_size, run.seed, msg.epoch, msg.partition_offset,
+                           msg.partition_size)
+        self.plans.append(Plan(epoch=msg.epoch, indices=idx, batch_size=run.batch_size))
 
     def _on_sync(self, _msg: m.SyncNow) -> None:
-        if not self.group_ready:
-            raise RuntimeError("SyncNow before a communicator session was formed")
         run = self._run()
-        result = averaging.average(self.flat, self.window.steps, gamma=run.gamma,
-                                   measure=run.policy is not m.Policy.SYNC, device=self.device)
-        self.outbox(m.SyncAck(rank=self.rank, step_count=self.step,
-                              divergence=result.divergence, post_norm=result.post_norm,
-                              pre_norm=result.pre_norm))
+        steps = self.window.steps + self._carry
+        try:
+            result = self._average(steps, run)
+        except Exception as exc:  # a peer died or hung: keep our parameters, say so
+            log.warning("rank %d: averaging failed (%s); carrying %d steps to the next one",
+                        self.rank, exc, steps)
+            self._leave_group()
+            self._carry = steps
+            self.outbox(m.SyncAck(rank=self.rank, step_count=self.step, divergence=0.0,
+                                  failed=True))
+        else:
+            self._carry = 0
+            self.outbox(m.SyncAck(rank=self.rank, step_count=self.step,
+                                  divergence=result.divergence, post_norm=result.post_norm,
+                                  pre_norm=result.pre_norm))
         self.window = _Window()  # closed until the SetGlobalStep that follows
         self.throttled = False
         self.ready_at = time.perf_counter()
+
+    def _average(self, steps: int, run: m.RunConfig) -> averaging.AverageResult:
+        if not self.group_ready:
+            raise RuntimeError("no communicator session (a peer was lost)")
+        return averaging.average(self.flat, steps, gamma=run.gamma,
+                                 measure=run.policy is not m.Policy.SYNC, device=self.device)
 
     def _on_throttle(self, _msg: m.Throttle) -> None:
         self.throttled = True  # until SyncNow, Update or Shutdown

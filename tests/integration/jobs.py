@@ -36,6 +36,21 @@ class Job:
     tmp: Path
     workers: int
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    argv: dict[str, list[str]] = field(default_factory=dict)
+    environ: dict[str, str] = field(default_factory=dict)
+
+    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        log = (self.tmp / f"{name}.log").open("wb")
+        self.argv[name] = argv
+        self.procs[name] = subprocess.Popen([*CLI, *argv], stdout=log,
+                                            stderr=subprocess.STDOUT, env=self.environ,
+                                            cwd=ROOT)
+        log.close()
+        return self.procs[name]
+
+    def respawn(self, name: str, as_name: str) -> subprocess.Popen[bytes]:
+        """The same command again (a restarted process), logging to ``as_name``."""
+        return self.spawn(as_name, self.argv[name])
 
     @property
     def out(self) -> Path:
@@ -60,6 +75,9 @@ class Job:
         if any(codes.values()) or not summary_file.exists():
             raise AssertionError(f"exit codes {codes}\n" + self.dump())
         return dict(json.loads(summary_file.read_text()))
+
+    def wait_summary(self) -> dict[str, Any]:
+        return dict(json.loads((self.tmp / "summary.json").read_text()))
 
     def dump(self) -> str:
         return "\n".join(f"----- {n}\n{self.log(n)[-3000:]}" for n in self.procs)
@@ -86,15 +104,9 @@ def start_job(url: str, tmp: Path, spec_ref: str, *, workers: int = 2, job: str 
     common = ["--job", job, "--nats", url, "--key-file", str(key_file), "--world-size",
               str(workers)]
     run = Job(job, url, tmp, workers)
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
-    environ |= env or {}
-
-    def spawn(name: str, argv: list[str]) -> None:
-        log = (tmp / f"{name}.log").open("wb")
-        run.procs[name] = subprocess.Popen([*CLI, *argv], stdout=log, stderr=subprocess.STDOUT,
-                                           env=environ, cwd=ROOT)
-        log.close()
-
+    run.environ = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
+    run.environ |= env or {}
+    spawn = run.spawn
     spawn("coordinator", ["coordinator", *common, "--summary", str(tmp / "summary.json"),
                           "--events", str(tmp / "events.jsonl"), *(coordinator_args or []),
                           spec_ref])

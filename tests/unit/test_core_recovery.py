@@ -9,6 +9,7 @@ inferred from the coordinator's own books.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from typing import Any
 
@@ -73,7 +74,8 @@ def test_lost_work_goes_to_survivors_in_consecutive_slices() -> None:
     sim.at(0.3, lambda: sim.kill(2))
     sim.run()
     [moved] = sim.records("work-reassigned")
-    assert moved["rank"] == 2 and moved["to"] == [0, 1]
+    assert moved["rank"] == 2
+    assert moved["to"] == [0, 1]
     extends = [(rank, msg) for _, rank, msg in sim.sent_of(m.ExtendPartition)]
     assert {rank for rank, _ in extends} == {0, 1}
     for epoch, offset, size in moved["ranges"]:
@@ -81,7 +83,7 @@ def test_lost_work_goes_to_survivors_in_consecutive_slices() -> None:
                        for rank, msg in extends if msg.epoch == epoch
                        and offset * BATCH <= msg.partition_offset < (offset + size) * BATCH)
         assert parts[0][0] == offset * BATCH
-        for (o1, n1, _), (o2, _, _) in zip(parts, parts[1:], strict=False):
+        for (o1, n1, _), (o2, _, _) in itertools.pairwise(parts):
             assert o1 + n1 == o2  # consecutive
         assert sum(n for _, n, _ in parts) == size * BATCH
         sizes = [n for _, n, _ in parts]
@@ -113,7 +115,8 @@ def test_a_hung_rank_times_out_the_collective_then_is_declared_dead() -> None:
     finish = sim.run()
     assert finish.ok, finish.reason
     [dead] = sim.records("rank-dead")
-    assert dead["rank"] == 0 and "silent" in dead["why"]
+    assert dead["rank"] == 0
+    assert "silent" in dead["why"]
     every_batch_once_but_hung(sim, hung=0)
 
 
@@ -132,10 +135,12 @@ def test_roles_and_a_pending_eval_fail_over_to_a_survivor() -> None:
     assert finish.ok
     dead = sim.records("rank-dead")[0]["rank"]
     [moved] = sim.records("roles-failover")
-    assert moved["from"] == dead and set(moved["roles"]) == {"epoch_fn", "eval", "checkpoint"}
+    assert moved["from"] == dead
+    assert set(moved["roles"]) == {"epoch_fn", "eval", "checkpoint"}
     assert dead not in (roles.eval, roles.checkpoint, roles.epoch_fn)
     evals = [rank for _, rank, _ in sim.sent_of(m.ExecuteEvalCallback)]
-    assert evals and evals[-1] != dead
+    assert evals
+    assert evals[-1] != dead
     assert len(sim.state.eval_history) == EPOCHS  # every epoch's eval came back
 
 
@@ -220,7 +225,8 @@ def test_a_restarted_rank_grows_back_into_the_run(policy: str, progressive: bool
     finish = sim.run()
     assert finish.ok, finish.reason
     [back] = sim.records("rank-rejoined")
-    assert back["rank"] == 1 and back["generation"] == 2
+    assert back["rank"] == 1
+    assert back["generation"] == 2
     assert sim.ranks[1].batches > 0  # it trained again
     sizes = [msg.new_world_size for _, rank, msg in sim.sent_of(m.NewNcclSession) if rank == 0]
     assert sizes == [3, 2, 3]
@@ -233,7 +239,8 @@ def test_a_fast_restart_declares_the_old_incarnation_dead() -> None:
     finish = sim.run()
     assert finish.ok
     [dead] = sim.records("rank-dead")
-    assert dead["rank"] == 2 and "restarted" in dead["why"]
+    assert dead["rank"] == 2
+    assert "restarted" in dead["why"]
     assert sim.records("rank-rejoined")
     every_batch_once(sim)
 

@@ -102,7 +102,8 @@ def test_rejoin_of_a_live_rank_replaces_its_old_incarnation() -> None:
     hello_now = core.state.ranks[0].hello
     assert hello_now is not None
     assert hello_now.generation == 2
-    assert core.state.ranks[0].alive and core.state.ranks[0].fresh
+    assert core.state.ranks[0].alive
+    assert core.state.ranks[0].fresh
 
 
 def test_rejoin_with_another_model_is_rejected_and_changes_nothing() -> None:
@@ -112,7 +113,8 @@ def test_rejoin_with_another_model_is_rejected_and_changes_nothing() -> None:
     assert "model signature" in rejected(out)[0]
     assert not records(out, "rank-dead")
     hello_now = core.state.ranks[1].hello
-    assert hello_now is not None and hello_now.generation == 1
+    assert hello_now is not None
+    assert hello_now.generation == 1
 
 
 def test_join_after_the_run_ended_is_rejected() -> None:
