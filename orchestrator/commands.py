@@ -23,7 +23,7 @@ ENV_VARS: dict[str, dict[str, str]] = {
         "job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL", "key_file": "DDPBUS_KEY_FILE",
         "world_size": "DDPBUS_WORLD_SIZE", "policy": "DDPBUS_POLICY",
         "backend": "DDPBUS_BACKEND", "summary": "DDPBUS_SUMMARY", "events": "DDPBUS_EVENTS",
-        "spec": "DDPBUS_SPEC",
+        "spec": "DDPBUS_SPEC", "lease_ttl": "DDPBUS_LEASE_TTL",
     },
     "worker": {
         "job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL", "key_file": "DDPBUS_KEY_FILE",
@@ -42,6 +42,13 @@ def _nonneg(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
     return value
 
 
@@ -86,6 +93,12 @@ def add_parsers(sub: Any) -> None:
     _schedule_flags(coord)
     coord.add_argument("--summary", type=Path, help="write the run summary JSON here")
     coord.add_argument("--events", type=Path, help="append the decision log (JSON lines)")
+    coord.add_argument("--standby", action="store_true",
+                       help="wait for the leader lease instead of failing when another "
+                       "coordinator holds it (a hot standby), then resume from its snapshot")
+    coord.add_argument("--lease-ttl", type=_seconds, default=None,
+                       help="leader lease time-to-live in seconds (default 5; renewed every "
+                       "third of it)")
     coord.add_argument("--wire-json", action="store_true",
                        help="publish proto3 JSON payloads (readable in `nats sub`)")
     coord.add_argument("spec", nargs="?", help="training spec: file.py:name or module:name "
@@ -188,7 +201,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
                         has_epoch_fn=spec.epoch_fn is not None)
     settings = CoordinatorSettings(job=args.job, nats_url=args.nats, key=key,
                                    summary_path=args.summary, events_path=args.events,
-                                   wire_json=args.wire_json)
+                                   wire_json=args.wire_json, standby=args.standby,
+                                   lease_ttl=args.lease_ttl or 5.0)
     return asyncio.run(Coordinator(settings, config).run())
 
 

@@ -7,6 +7,13 @@ through one :class:`~ddpbus.orchestrator.bus.Publisher`), event-log lines and, a
 the run summary. CoordHeartbeat goes out every second on live.coordinator, whatever the core
 is doing. A message that fails decoding, signing or fencing is counted, logged once per
 reason, and never reaches the core.
+
+Resumability (see :mod:`.snapshot` and :mod:`.lease`): the shell holds the job's leader
+lease while it runs, and before publishing any command it stores a write-ahead snapshot of
+the core. A coordinator that starts on a job with progress (a restart, or a standby taking
+over) loads that snapshot, re-publishes its unstored commands verbatim, fences the old
+incarnation with a control message of its own, newer generation, and replays the stream
+after the snapshot through the same core.
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import signal
+import socket
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -26,15 +35,18 @@ from typing import IO, Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy
+from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from ddpbus.codecs import DecodeError, Decoder, Encoder
+from ddpbus.codecs import DecodeError, Decoder, Encoder, Outbound
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
-from ddpbus.orchestrator import bus
+from ddpbus.orchestrator import bus, snapshot
 from ddpbus.orchestrator.config import describe
 from ddpbus.orchestrator.core import initial_state, transition
-from ddpbus.orchestrator.provision import ensure_job
+from ddpbus.orchestrator.lease import Lease, LeaseLost
+from ddpbus.orchestrator.provision import JobStorage, consumer_configs, ensure_job
 from ddpbus.orchestrator.state import (
     Admit,
     CoreConfig,
@@ -42,6 +54,7 @@ from ddpbus.orchestrator.state import (
     Finish,
     Joined,
     Metrics,
+    Phase,
     Record,
     Refuse,
     Send,
@@ -72,14 +85,24 @@ class CoordinatorSettings:
     events_path: Path | None = None
     wire_json: bool = False
     connect_deadline: timedelta = timedelta(seconds=30)
+    standby: bool = False  # wait for the lease rather than fail
+    lease_ttl: float = 5.0
+
+
+EXIT_DEPOSED = 3
 
 
 class Coordinator:
     def __init__(self, settings: CoordinatorSettings, config: CoreConfig) -> None:
         self.settings = settings
         self.config = config
-        self.clock = time.monotonic
+        # wall-clock seconds: a snapshot's times stay meaningful in another process or host
+        self.clock = time.time
         self.state = initial_state(config, self.clock())
+        self.covered_seq = 0  # stream sequence of the last input applied
+        self.snapshots = 0
+        self.resumed_from: int | None = None
+        self._lock = asyncio.Lock()
         self.rejected: Counter[str] = Counter()
         self.finish: asyncio.Future[Finish] | None = None
         self._events_file: IO[str] | None = None
@@ -100,70 +123,201 @@ class Coordinator:
         s = self.settings
         js = nc.jetstream()
         await ensure_job(js, s.job, self.config.world_size)
-        await self._check_fresh(js)
         kv = await js.key_value(sj.kv_bucket(s.job))
-        generation = await bus.next_generation(kv, sj.COORDINATOR)
-        self.config = dataclasses.replace(self.config, coordinator_generation=generation)
-        self.state = initial_state(self.config, self.clock())
-        await kv.put(CONFIG_KEY, json.dumps(describe(self.config.schedule)).encode())
+        snap = await self._take_over(js, kv)
+        if snap is not None and snap.state.phase is Phase.DONE:
+            log.info("job %s already ran to its end; nothing to resume", s.job)
+            await self.lease.release()
+            return 0
+        generation = self.config.coordinator_generation
         self.encoder = Encoder(job=s.job, key=s.key, sender=sj.COORDINATOR,
                                generation=generation, wire_json=s.wire_json)
-        self.decoder = Decoder(job=s.job, key=s.key)
+        # a rank's older incarnation is fenced: below the generation admitted last
+        self.decoder = Decoder(job=s.job, key=s.key, generation_floor=self._rank_floor)
         self.nc, self.publisher = nc, bus.Publisher(js)
-        if s.events_path is not None:
-            s.events_path.parent.mkdir(parents=True, exist_ok=True)
-            self._events_file = s.events_path.open("a", encoding="utf-8")
-        loop = asyncio.get_running_loop()
-        self.finish = loop.create_future()
-        reader = bus.StreamReader(nc, sj.stream_name(s.job), sj.COORDINATOR_CONSUMER,
-                                  self._on_stream)
-        live = await nc.subscribe(sj.LIVE_RANK.wildcard(s.job), cb=self._on_live)
-        tasks = [asyncio.create_task(c, name=n) for c, n in (
-            (self.publisher.run(), "publisher"), (reader.run(), "stream-reader"),
-            (self._ticker(), "ticker"), (self._beacon(), "coord-heartbeat"))]
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self._signal, sig)
-        log.info("coordinator generation %d for job %s: waiting for %d ranks", generation,
-                 s.job, self.config.world_size)
-        try:
-            done = await self.finish
-            stored = await self.publisher.flush(30.0)
-        finally:
-            await live.unsubscribe()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        summary = summarize(self.state) | {"decode_rejections": dict(self.rejected)}
+        if snap is not None:
+            for out in snap.outbox:  # verbatim: JetStream drops those already stored
+                self.publisher.submit(out)
+            # the first control message of this generation: ranks raise their fence to it,
+            # so a deposed predecessor can no longer steer them
+            self.publisher.submit(self.encoder.encode(sj.CONTROL_ALL.subject(s.job),
+                                                      m.CoordHeartbeat()))
+        result = await self._serve(nc)
+        if result is None:
+            return EXIT_DEPOSED
+        done, stored = result
+        summary = summarize(self.state) | {"decode_rejections": dict(self.rejected),
+                                           "snapshots": self.snapshots,
+                                           "resumed_from_seq": self.resumed_from}
         await kv.put(SUMMARY_KEY, json.dumps(summary).encode())
         if s.summary_path is not None:
             s.summary_path.parent.mkdir(parents=True, exist_ok=True)
             s.summary_path.write_text(json.dumps(summary, indent=2) + "\n")
         (log.info if done.ok else log.error)("run %s: %s", "complete" if done.ok else "ended",
                                             done.reason)
+        await self.lease.release()
         return 0 if done.ok and stored else 1
 
-    async def _check_fresh(self, js: Any) -> None:
+    async def _take_over(self, js: Any, kv: Any) -> snapshot.Snapshot | None:
+        """Hold the lease, draw a generation, and load the predecessor's snapshot."""
+        s = self.settings
+        self.kv = kv
+        self.lease = Lease(kv, f"{socket.gethostname()}:{os.getpid()}", ttl=s.lease_ttl)
+        try:
+            await self.lease.take(wait=s.standby, on_wait=lambda h: log.info(
+                "standing by: %s holds the coordinator lease", h.holder if h else "?"))
+        except LeaseLost as exc:
+            raise JobInUse(f"job {s.job!r}: {exc}; pass --standby to wait for it") from None
+        generation = await bus.next_generation(kv, sj.COORDINATOR)
+        self.config = dataclasses.replace(self.config, coordinator_generation=generation)
+        if s.events_path is not None:
+            s.events_path.parent.mkdir(parents=True, exist_ok=True)
+            self._events_file = s.events_path.open("a", encoding="utf-8")
+        snap = await self._load_snapshot(js, kv)
+        if snap is None:
+            self.state = initial_state(self.config, self.clock())
+            await kv.put(CONFIG_KEY, json.dumps(describe(self.config.schedule)).encode())
+        elif snap.state.phase is not Phase.DONE:
+            self._restore(snap)
+            await self._rewind_consumer(js, snap.stream_seq + 1)
+        return snap
+
+    async def _serve(self, nc: Client) -> tuple[Finish, bool] | None:
+        """Run until the core says Finish (None when deposed first)."""
+        s = self.settings
+        generation = self.config.coordinator_generation
+        loop = asyncio.get_running_loop()
+        self.finish = loop.create_future()
+        reader = bus.StreamReader(nc, sj.stream_name(s.job), sj.COORDINATOR_CONSUMER,
+                                  self._on_stream)
+        self.reader = reader
+        live = await nc.subscribe(sj.LIVE_RANK.wildcard(s.job), cb=self._on_live)
+        tasks = [asyncio.create_task(c, name=n) for c, n in (
+            (self.publisher.run(), "publisher"), (reader.run(), "stream-reader"),
+            (self._ticker(), "ticker"), (self._beacon(), "coord-heartbeat"),
+            (self.lease.renew(), "lease"))]
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._signal, sig)
+        log.info("coordinator generation %d for job %s: waiting for %d ranks", generation,
+                 s.job, self.config.world_size)
+        deposed = asyncio.create_task(self.lease.lost.wait(), name="deposed")
+        try:
+            await asyncio.wait([self.finish, deposed], return_when=asyncio.FIRST_COMPLETED)
+            if self.lease.lost.is_set():
+                log.error("deposed: another coordinator took the lease; exiting without "
+                          "publishing anything more")
+                return None
+            done = self.finish.result()
+            stored = await self.publisher.flush(30.0)
+        finally:
+            deposed.cancel()
+            await live.unsubscribe()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return done, stored
+
+    # ---------------------------------------------------------------- resuming
+
+    async def _load_snapshot(self, js: Any, kv: Any) -> snapshot.Snapshot | None:
+        """The predecessor's snapshot, or None for a fresh job. A job with progress in its
+        stream but no usable snapshot cannot be resumed."""
         info = await js.consumer_info(sj.stream_name(self.settings.job),
                                       sj.COORDINATOR_CONSUMER)
-        if info.ack_floor is not None and (info.ack_floor.stream_seq or 0) > 0:
-            raise JobInUse(f"job {self.settings.job!r} already has a coordinator's progress in "
-                           "its stream (resuming a coordinator is not in this build); start a "
-                           "new job name")
+        progress = info.ack_floor is not None and (info.ack_floor.stream_seq or 0) > 0
+        try:
+            entry = await kv.get(snapshot.SNAPSHOT_KEY)
+            data = entry.value or b""
+        except KeyNotFoundError:
+            data = b""
+        if not data:
+            if progress or (info.delivered is not None and (info.delivered.stream_seq or 0)):
+                raise JobInUse(f"job {self.settings.job!r} has a coordinator's progress in its "
+                               "stream but no snapshot to resume from; start a new job name")
+            return None
+        try:
+            snap = snapshot.decode(data, self.settings.key)
+        except snapshot.SnapshotError as exc:
+            raise JobInUse(f"job {self.settings.job!r}: cannot resume: {exc}") from None
+        if snap.state.config.world_size != self.config.world_size:
+            raise JobInUse(f"job {self.settings.job!r} runs with world size "
+                           f"{snap.state.config.world_size}, not {self.config.world_size}")
+        return snap
+
+    def _restore(self, snap: snapshot.Snapshot) -> None:
+        now = self.clock()
+        state = snap.state
+        state.config = dataclasses.replace(state.config, coordinator_generation=(
+            self.config.coordinator_generation))
+        for r in state.ranks:
+            if r.alive:
+                r.last_heard = now  # their silence while no coordinator listened is no death
+        if state.rendezvous is not None:
+            state.rendezvous.deadline = now + state.config.rendezvous_timeout_s
+        self.state, self.covered_seq = state, snap.stream_seq
+        self.resumed_from = snap.stream_seq
+        log.warning("resuming job %s from the snapshot of generation %d (stream sequence "
+                    "%d, phase %s, %d unstored commands to re-publish)", self.settings.job,
+                    snap.coordinator_generation, snap.stream_seq, state.phase.value,
+                    len(snap.outbox))
+        self._record(Record("coordinator-resumed", {
+            "generation": self.config.coordinator_generation,
+            "from_generation": snap.coordinator_generation, "stream_seq": snap.stream_seq,
+            "phase": state.phase.value, "outbox": len(snap.outbox),
+            "away_s": round(now - snap.saved_at, 3)}))
+
+    async def _rewind_consumer(self, js: Any, start_seq: int) -> None:
+        """Re-create the coordinator's durable consumer to deliver from ``start_seq``."""
+        stream = sj.stream_name(self.settings.job)
+        config = consumer_configs(self.settings.job, self.config.world_size, JobStorage())[0]
+        config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
+        config.opt_start_seq = start_seq
+        with contextlib.suppress(NotFoundError):
+            await js.delete_consumer(stream, sj.COORDINATOR_CONSUMER)
+        await js.add_consumer(stream, config)
+
+    async def _snapshot(self, new: list[Outbound]) -> None:
+        snap = snapshot.Snapshot(state=self.state, stream_seq=self.covered_seq,
+                                 outbox=[*self.publisher.unstored(), *new],
+                                 coordinator_generation=self.config.coordinator_generation,
+                                 saved_at=self.clock())
+        await self.kv.put(snapshot.SNAPSHOT_KEY, snapshot.encode(snap, self.settings.key))
+        self.snapshots += 1
+
+    def _rank_floor(self, sender: str) -> int:
+        if not sender.startswith("rank-"):
+            return 0
+        r = self.state.rank(int(sender[5:])) if sender[5:].isdigit() else None
+        return r.hello.generation if r is not None and r.hello is not None else 0
 
     # ------------------------------------------------------------------ events
 
-    def apply(self, event: Event) -> None:
-        """Run one event through the core and carry out its commands, in order."""
-        self.state, commands = transition(self.state, event, self.clock())
+    async def apply(self, event: Event, seq: int | None = None) -> None:
+        """Run one event through the core and carry out its commands, in order: the
+        snapshot that covers them is stored before any is published (write-ahead)."""
+        async with self._lock:
+            if self.lease.lost.is_set():
+                return  # deposed: decide nothing more
+            self.state, commands = transition(self.state, event, self.clock())
+            if seq is not None:
+                self.covered_seq = seq
+            outbound = self._carry_out(commands)
+            if outbound:
+                await self._snapshot(outbound)
+                for out in outbound:
+                    self.publisher.submit(out)
+
+    def _carry_out(self, commands: list[Any]) -> list[Outbound]:
         job = self.settings.job
+        outbound: list[Outbound] = []
         for c in commands:
             if isinstance(c, Send):
                 subject = (sj.CONTROL_ALL.subject(job) if c.rank is None
                            else sj.CONTROL_RANK.subject(job, c.rank))
-                self.publisher.submit(self.encoder.encode(subject, c.msg))
+                outbound.append(self.encoder.encode(subject, c.msg))
             elif isinstance(c, Admit):
-                self.publisher.submit(self.encoder.encode(
+                outbound.append(self.encoder.encode(
                     sj.ADMIT_RANK.subject(job, c.msg.rank), c.msg))
             elif isinstance(c, Record):
                 self._record(c)
@@ -171,6 +325,7 @@ class Coordinator:
                 log.warning("refused (%s): %s", c.reason, c.detail)
             elif isinstance(c, Finish) and self.finish is not None and not self.finish.done():
                 self.finish.set_result(c)
+        return outbound
 
     def _record(self, c: Record) -> None:
         line = json.dumps({"t": round(self.clock(), 6), "event": c.event, **c.fields},
@@ -193,22 +348,25 @@ class Coordinator:
 
     async def _on_stream(self, msg: Msg) -> None:
         body = self._decode(msg)
+        seq = self.reader.handled_seq
         if isinstance(body, m.MetricsMsg):
-            self.apply(Metrics(body))
+            await self.apply(Metrics(body), seq)
         elif isinstance(body, m.Hello | m.Rejoin):
-            self.apply(Joined(body))
+            await self.apply(Joined(body), seq)
         elif body is not None:
-            self.apply(Timing(body))  # type: ignore[arg-type]
+            await self.apply(Timing(body), seq)  # type: ignore[arg-type]
+        else:
+            self.covered_seq = max(self.covered_seq, seq)
 
     async def _on_live(self, msg: Msg) -> None:
         body = self._decode(msg)
         if isinstance(body, m.Heartbeat):
-            self.apply(Timing(body))
+            await self.apply(Timing(body))
 
     async def _ticker(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
-            self.apply(Tick())
+            await self.apply(Tick())
 
     async def _beacon(self) -> None:
         out = None
@@ -222,4 +380,4 @@ class Coordinator:
     def _signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
         log.info("%s: asking every rank to save and exit", name)
-        self.apply(Stop(reason=f"stopped by {name}"))
+        self._stopping = asyncio.ensure_future(self.apply(Stop(reason=f"stopped by {name}")))

@@ -1,0 +1,130 @@
+"""The coordinator's leader lease: one KV key, taken and renewed by compare-and-set.
+
+The key ``coordinator.lease`` holds ``{"holder": ..., "expires": unix seconds}``. A
+coordinator takes it when it is absent (``create``) or expired (``update`` against the
+revision it read), then renews it every ``ttl / 3`` seconds with ``update(last=revision)``.
+A renewal that finds another revision means somebody else took over: the holder is
+deposed and must stop at once (:class:`LeaseLost`). A standby coordinator waits, polling,
+until the lease expires. Expiry is judged on the wall clock of whoever reads it, so hosts
+need roughly synchronised clocks (NTP); the TTL should be well above any skew.
+
+The fencing token workers see is the coordinator *generation*: a coordinator draws a new,
+higher one only after it holds the lease, and workers reject control traffic from any
+generation below the highest they have seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from ddpbus.codecs.errors import DdpbusError
+
+log = logging.getLogger(__name__)
+
+LEASE_KEY = "coordinator.lease"
+
+
+class LeaseLost(DdpbusError, RuntimeError):
+    """Another coordinator holds the lease now."""
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    holder: str
+    expires: float
+    revision: int
+
+
+def _value(holder: str, ttl: float, clock: Callable[[], float]) -> bytes:
+    return json.dumps({"holder": holder, "expires": clock() + ttl}).encode()
+
+
+async def read(kv: KeyValue) -> Holder | None:
+    try:
+        entry = await kv.get(LEASE_KEY)
+    except KeyNotFoundError:
+        return None
+    if not entry.value:
+        return None  # deleted (released)
+    try:
+        body = json.loads(entry.value)
+        return Holder(str(body["holder"]), float(body["expires"]), int(entry.revision or 0))
+    except (ValueError, KeyError, TypeError):
+        return Holder("?", 0.0, int(entry.revision or 0))  # unreadable: treat as expired
+
+
+class Lease:
+    def __init__(self, kv: KeyValue, holder: str, *, ttl: float = 5.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        if ttl <= 0:
+            raise ValueError("lease ttl must be positive")
+        self.kv, self.holder, self.ttl, self.clock = kv, holder, ttl, clock
+        self.revision = 0
+        self.lost: asyncio.Event = asyncio.Event()
+
+    async def try_take(self) -> bool:
+        """Take the lease if nobody holds a live one; True when taken."""
+        current = await read(self.kv)
+        value = _value(self.holder, self.ttl, self.clock)
+        try:
+            if current is None:
+                try:
+                    self.revision = await self.kv.create(LEASE_KEY, value)
+                except KeyWrongLastSequenceError:
+                    # a deleted key has a tombstone revision: update against it
+                    entry = await self.kv.get(LEASE_KEY)
+                    self.revision = await self.kv.update(LEASE_KEY, value,
+                                                         last=entry.revision)
+                return True
+            if current.expires > self.clock() and current.holder != self.holder:
+                return False
+            self.revision = await self.kv.update(LEASE_KEY, value, last=current.revision)
+        except (KeyWrongLastSequenceError, KeyNotFoundError):
+            return False  # somebody else won the race
+        return True
+
+    async def take(self, *, wait: bool, poll: float = 0.5,
+                   on_wait: Callable[[Holder | None], None] | None = None) -> None:
+        """Take the lease; with ``wait``, stand by until the holder's lease expires."""
+        told = False
+        while not await self.try_take():
+            if not wait:
+                current = await read(self.kv)
+                who = current.holder if current else "?"
+                raise LeaseLost(f"another coordinator ({who}) holds the lease")
+            if on_wait is not None and not told:
+                on_wait(await read(self.kv))
+                told = True
+            await asyncio.sleep(poll)
+        log.info("holding the coordinator lease (revision %d, ttl %.1fs)", self.revision,
+                 self.ttl)
+
+    async def renew(self) -> None:
+        """Renew until cancelled; sets :attr:`lost` and returns when deposed."""
+        while True:
+            await asyncio.sleep(self.ttl / 3)
+            try:
+                self.revision = await self.kv.update(
+                    LEASE_KEY, _value(self.holder, self.ttl, self.clock), last=self.revision)
+            except KeyWrongLastSequenceError:
+                log.error("the coordinator lease was taken over; this coordinator is "  # noqa: TRY400
+                          "deposed")
+                self.lost.set()
+                return
+            except Exception as exc:  # the broker is away: keep trying while the TTL lasts
+                log.warning("lease renewal failed (%s); retrying", exc)
+
+    async def release(self) -> None:
+        """Give the lease up (a clean exit), so a standby need not wait for the TTL."""
+        try:
+            await self.kv.update(LEASE_KEY, b"", last=self.revision)
+        except Exception as exc:  # it expires on its own anyway
+            log.debug("lease release failed: %s", exc)
