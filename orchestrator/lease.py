@@ -68,6 +68,7 @@ class Lease:
             raise ValueError("lease ttl must be positive")
         self.kv, self.holder, self.ttl, self.clock = kv, holder, ttl, clock
         self.revision = 0
+        self.renewed_at = 0.0
         self.lost: asyncio.Event = asyncio.Event()
 
     async def try_take(self) -> bool:
@@ -89,38 +90,63 @@ class Lease:
             self.revision = await self.kv.update(LEASE_KEY, value, last=current.revision)
         except (KeyWrongLastSequenceError, KeyNotFoundError):
             return False  # somebody else won the race
+        self.renewed_at = self.clock()
         return True
 
     async def take(self, *, wait: bool, poll: float = 0.5,
                    on_wait: Callable[[Holder | None], None] | None = None) -> None:
-        """Take the lease; with ``wait``, stand by until the holder's lease expires."""
+        """Take the lease. With ``wait`` (a standby), wait as long as it takes. Without,
+        wait only for a lease nobody renews any more (a crashed predecessor's, which
+        expires within its TTL); a lease that is renewed meanwhile has a live holder:
+        :class:`LeaseLost`."""
         told = False
+        seen: int | None = None
         while not await self.try_take():
-            if not wait:
-                current = await read(self.kv)
-                who = current.holder if current else "?"
-                raise LeaseLost(f"another coordinator ({who}) holds the lease")
+            current = await read(self.kv)
+            if not wait and current is not None:
+                if seen is not None and current.revision != seen:
+                    raise LeaseLost(f"another coordinator ({current.holder}) holds the lease "
+                                    "and renews it")
+                seen = current.revision
             if on_wait is not None and not told:
-                on_wait(await read(self.kv))
+                on_wait(current)
                 told = True
             await asyncio.sleep(poll)
         log.info("holding the coordinator lease (revision %d, ttl %.1fs)", self.revision,
                  self.ttl)
 
+    async def confirm(self) -> bool:
+        """May the holder act now? A renewal older than two thirds of the TTL (the process
+        was paused, or the broker is away) is refreshed first; a holder that cannot prove
+        its lease within the TTL must not act."""
+        if self.lost.is_set():
+            return False
+        if self.clock() - self.renewed_at < self.ttl * 2 / 3:
+            return True
+        if await self._renew_once():
+            return True
+        return not self.lost.is_set() and self.clock() - self.renewed_at < self.ttl
+
+    async def _renew_once(self) -> bool:
+        try:
+            self.revision = await self.kv.update(
+                LEASE_KEY, _value(self.holder, self.ttl, self.clock), last=self.revision)
+        except KeyWrongLastSequenceError:
+            log.error("the coordinator lease was taken over; this coordinator is "  # noqa: TRY400
+                      "deposed")
+            self.lost.set()
+            return False
+        except Exception as exc:  # the broker is away: keep trying while the TTL lasts
+            log.warning("lease renewal failed (%s); retrying", exc)
+            return False
+        self.renewed_at = self.clock()
+        return True
+
     async def renew(self) -> None:
         """Renew until cancelled; sets :attr:`lost` and returns when deposed."""
-        while True:
+        while not self.lost.is_set():
             await asyncio.sleep(self.ttl / 3)
-            try:
-                self.revision = await self.kv.update(
-                    LEASE_KEY, _value(self.holder, self.ttl, self.clock), last=self.revision)
-            except KeyWrongLastSequenceError:
-                log.error("the coordinator lease was taken over; this coordinator is "  # noqa: TRY400
-                          "deposed")
-                self.lost.set()
-                return
-            except Exception as exc:  # the broker is away: keep trying while the TTL lasts
-                log.warning("lease renewal failed (%s); retrying", exc)
+            await self._renew_once()
 
     async def release(self) -> None:
         """Give the lease up (a clean exit), so a standby need not wait for the TTL."""

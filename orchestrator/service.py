@@ -115,7 +115,7 @@ class Coordinator:
             return await self._run(nc)
         finally:
             with contextlib.suppress(Exception):
-                await nc.close()
+                await asyncio.wait_for(nc.close(), 5.0)
             if self._events_file is not None:
                 self._events_file.close()
 
@@ -165,7 +165,7 @@ class Coordinator:
         self.lease = Lease(kv, f"{socket.gethostname()}:{os.getpid()}", ttl=s.lease_ttl)
         try:
             await self.lease.take(wait=s.standby, on_wait=lambda h: log.info(
-                "standing by: %s holds the coordinator lease", h.holder if h else "?"))
+                "waiting for the coordinator lease held by %s", h.holder if h else "?"))
         except LeaseLost as exc:
             raise JobInUse(f"job {s.job!r}: {exc}; pass --standby to wait for it") from None
         generation = await bus.next_generation(kv, sj.COORDINATOR)
@@ -212,10 +212,11 @@ class Coordinator:
             stored = await self.publisher.flush(30.0)
         finally:
             deposed.cancel()
-            await live.unsubscribe()
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            with contextlib.suppress(Exception):  # bounded: a deposed one must go at once
+                await asyncio.wait_for(asyncio.gather(live.unsubscribe(), *tasks,
+                                                      return_exceptions=True), 5.0)
         return done, stored
 
     # ---------------------------------------------------------------- resuming
@@ -297,8 +298,8 @@ class Coordinator:
         """Run one event through the core and carry out its commands, in order: the
         snapshot that covers them is stored before any is published (write-ahead)."""
         async with self._lock:
-            if self.lease.lost.is_set():
-                return  # deposed: decide nothing more
+            if not await self.lease.confirm():
+                return  # deposed, or unable to prove the lease (paused?): decide nothing
             self.state, commands = transition(self.state, event, self.clock())
             if seq is not None:
                 self.covered_seq = seq

@@ -185,3 +185,55 @@ def test_a_stopped_worker_is_fenced_when_it_wakes(broker: EmbeddedBroker, tmp_pa
     assert summary["test_accuracy"] >= 0.95
     exactly_once(job, ledger, events, {2: sleeper.pid})
     same_replicas(job.out, [0, 1])
+
+
+@pytest.mark.parametrize("attempt", REPEAT)
+def test_a_killed_coordinator_restarted_resumes_from_its_snapshot(
+        broker: EmbeddedBroker, tmp_path: Path, attempt: int) -> None:
+    job, ledger = run_job(broker, tmp_path, 2, f"coord-{attempt}",
+                          worker_args={0: ["--slowdown", "3"], 1: ["--slowdown", "3"]})
+    wait_for("rank 0 to train 4 epochs", lambda: trained_epochs(ledger, 0) >= 4)
+    first = job.procs["coordinator"]
+    first.send_signal(signal.SIGKILL)
+    first.wait(10)
+    time.sleep(1.0)  # the workers train on without a coordinator
+    job.respawn("coordinator", "coordinator-2")
+    events = finish(job, failed={"coordinator": -signal.SIGKILL})
+    [resumed] = of(events, "coordinator-resumed")
+    assert resumed["generation"] == resumed["from_generation"] + 1
+    assert not of(events, "rank-dead")  # nobody was lost while it was away
+    summary = job.wait_summary()
+    assert summary["ok"], summary
+    assert summary["resumed_from_seq"] == resumed["stream_seq"]
+    assert summary["test_accuracy"] >= 0.95
+    assert "took over" in job.log("rank-0")
+    exactly_once(job, ledger, events, {})
+    same_replicas(job.out, [0, 1])
+
+
+@pytest.mark.parametrize("attempt", REPEAT)
+def test_a_standby_takes_over_and_the_stopped_leader_is_deposed(
+        broker: EmbeddedBroker, tmp_path: Path, attempt: int) -> None:
+    job, ledger = run_job(broker, tmp_path, 2, f"standby-{attempt}",
+                          worker_args={0: ["--slowdown", "3"], 1: ["--slowdown", "3"]})
+    wait_for("the leader's lease", lambda: "holding the coordinator lease" in
+             job.log("coordinator"))
+    standby = job.spawn("standby", [*job.argv["coordinator"], "--standby",
+                                    "--lease-ttl", "2"])
+    wait_for("rank 0 to train 4 epochs", lambda: trained_epochs(ledger, 0) >= 4)
+    leader = job.procs["coordinator"]
+    leader.send_signal(signal.SIGSTOP)
+    try:
+        wait_for("the standby to resume", lambda: "resuming job" in job.log("standby"))
+        time.sleep(0.5)
+    finally:
+        leader.send_signal(signal.SIGCONT)
+    events = finish(job, failed={"coordinator": 3})  # deposed: it exits without a word
+    assert "deposed" in job.log("coordinator")
+    assert standby.returncode == 0
+    assert of(events, "coordinator-resumed")
+    summary = job.wait_summary()
+    assert summary["ok"], summary
+    assert summary["test_accuracy"] >= 0.95
+    exactly_once(job, ledger, events, {})
+    same_replicas(job.out, [0, 1])

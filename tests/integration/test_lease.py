@@ -1,0 +1,64 @@
+"""The coordinator lease against a real JetStream KV bucket: one holder at a time, a dead
+holder's lease expires, a renewed one is never stolen, a deposed holder learns it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nats.aio.client import Client
+
+from ddpbus.orchestrator import lease
+
+
+@pytest.fixture
+async def kv(nc: Client):  # type: ignore[no-untyped-def]
+    js = nc.jetstream()
+    return await js.create_key_value(bucket="lease-test", history=1)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_one_holder_and_expiry(kv) -> None:  # type: ignore[no-untyped-def]
+    clock = Clock()
+    a = lease.Lease(kv, "a", ttl=5.0, clock=clock)
+    b = lease.Lease(kv, "b", ttl=5.0, clock=clock)
+    assert await a.try_take()
+    assert not await b.try_take()  # live
+    clock.now += 6.0  # a stopped renewing (crashed)
+    assert await b.try_take()
+    # a wakes up: it cannot act, and its renewal tells it it was deposed
+    assert not await a.confirm()
+    assert a.lost.is_set()
+    holder = await lease.read(kv)
+    assert holder is not None and holder.holder == "b"
+
+
+async def test_a_renewed_lease_is_not_waited_out(kv) -> None:  # type: ignore[no-untyped-def]
+    a = lease.Lease(kv, "a", ttl=0.6)
+    await a.take(wait=False)
+    renewing = asyncio.create_task(a.renew())
+    b = lease.Lease(kv, "b", ttl=0.6)
+    with pytest.raises(lease.LeaseLost, match="renews it"):
+        await b.take(wait=False, poll=0.25)
+    renewing.cancel()
+    await a.release()  # a clean exit hands over at once
+    await asyncio.wait_for(b.take(wait=False, poll=0.05), 2.0)
+    assert await b.confirm()
+
+
+async def test_a_standby_waits_for_the_lease(kv) -> None:  # type: ignore[no-untyped-def]
+    a = lease.Lease(kv, "a", ttl=0.5)
+    await a.take(wait=False)
+    b = lease.Lease(kv, "b", ttl=0.5)
+    waiting = asyncio.create_task(b.take(wait=True, poll=0.05))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    await asyncio.wait_for(waiting, 3.0)  # a never renewed: expired
+    assert b.revision > a.revision
