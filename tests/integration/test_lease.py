@@ -37,7 +37,8 @@ async def test_one_holder_and_expiry(kv) -> None:  # type: ignore[no-untyped-def
     assert not await a.confirm()
     assert a.lost.is_set()
     holder = await lease.read(kv)
-    assert holder is not None and holder.holder == "b"
+    assert holder is not None
+    assert holder.holder == "b"
 
 
 async def test_a_renewed_lease_is_not_waited_out(kv) -> None:  # type: ignore[no-untyped-def]
