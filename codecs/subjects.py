@@ -165,6 +165,12 @@ def rank_consumer(rank: int) -> str:
     return f"rank-{rank}"
 
 
+def sender_rank(sender: str) -> int | None:
+    """The rank of a ``rank-N`` sender (the ``Ddpbus-Sender`` header), else None."""
+    prefix, _, number = sender.partition("-")
+    return int(number) if prefix == "rank" and number.isdigit() else None
+
+
 COORDINATOR_CONSUMER: Final = "coordinator"
 
 

@@ -10,6 +10,8 @@ and yields a :class:`~ddpbus.orchestrator.state.Refuse` with the reason.
 
 from __future__ import annotations
 
+import dataclasses
+
 from ddpbus.codecs import messages as m
 from ddpbus.orchestrator import callbacks, membership, window
 from ddpbus.orchestrator.elche import ElChe
@@ -41,6 +43,19 @@ def initial_state(config: CoreConfig, now: float) -> State:
                        sync=s.is_sync)
     return State(config=config, ranks=[RankState(rank=r) for r in range(config.world_size)],
                  elche=elche, guard=guard, created_at=now)
+
+
+def resume(state: State, coordinator_generation: int, now: float) -> State:
+    """A snapshot's state taken over by a new coordinator incarnation at ``now``: ranks'
+    silence while no coordinator listened is no evidence of death, and a session being
+    minted gets a fresh deadline."""
+    state.config = dataclasses.replace(state.config,
+                                       coordinator_generation=coordinator_generation)
+    for r in state.alive:
+        r.last_heard = now
+    if state.rendezvous is not None:
+        state.rendezvous.deadline = now + state.config.rendezvous_timeout_s
+    return state
 
 
 def transition(state: State, event: Event, now: float) -> tuple[State, list[Command]]:

@@ -103,16 +103,22 @@ def _admit(s: State, r: RankState, hello: m.Hello, now: float, out: Out) -> None
     backend = s.backend or m.Backend.GLOO
     run = s.schedule.run_config(s.dataset_size)
     s.run = dataclasses.replace(run, backend=backend)
-    out.append(Admit(m.Accept(rank=hello.rank, generation=hello.generation,
-                              world_size=s.config.world_size,
-                              coordinator_generation=s.config.coordinator_generation,
-                              run=s.run)))
+    accept(s, hello, out)
     out.append(Record("rank-admitted", {"rank": hello.rank, "generation": hello.generation,
                                         "host": hello.host, "device": hello.device,
                                         "pid": hello.pid}))
     if all(x.alive for x in s.ranks):
         s.phase = Phase.FORMING
         start_session(s, now, out)
+
+
+def accept(s: State, hello: m.Hello, out: Out) -> None:
+    """Accept ``hello``'s incarnation with the run's settings (first join or rejoin)."""
+    run = s.run if s.run is not None else s.schedule.run_config(s.dataset_size)
+    out.append(Admit(m.Accept(rank=hello.rank, generation=hello.generation,
+                              world_size=s.config.world_size,
+                              coordinator_generation=s.config.coordinator_generation,
+                              run=run)))
 
 
 # ------------------------------------------------------------------ sessions

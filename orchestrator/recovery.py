@@ -31,7 +31,6 @@ from ddpbus.codecs import messages as m
 from ddpbus.orchestrator import callbacks, membership, window
 from ddpbus.orchestrator.pools import equal_split
 from ddpbus.orchestrator.state import (
-    Admit,
     Command,
     Phase,
     RankState,
@@ -210,9 +209,13 @@ def after_session(s: State, now: float, out: Out) -> None:
 # ------------------------------------------------------------------- grow-back
 
 
+def _joinable(s: State) -> bool:
+    return s.phase in (Phase.TRAINING, Phase.FORMING)
+
+
 def on_rejoin(s: State, r: RankState, hello: m.Hello, now: float, out: Out) -> None:
     """A restarted incarnation of ``r`` (higher generation) asks to come back."""
-    if s.phase not in (Phase.TRAINING, Phase.FORMING):
+    if not _joinable(s):
         membership.reject(hello, f"the run is {s.phase.value}; no rank can join now", out)
         return
     problem = membership.cohort_problem(s, hello)
@@ -221,7 +224,7 @@ def on_rejoin(s: State, r: RankState, hello: m.Hello, now: float, out: Out) -> N
         return
     if r.alive:
         declare_dead(s, r, f"restarted as generation {hello.generation}", now, out)
-        if s.phase not in (Phase.TRAINING, Phase.FORMING):
+        if not _joinable(s):
             membership.reject(hello, "the run ended with the loss of the old incarnation",
                               out)
             return
@@ -232,10 +235,7 @@ def on_rejoin(s: State, r: RankState, hello: m.Hello, now: float, out: Out) -> N
                       callback_ms=dict(r.callback_ms))
     s.ranks[r.rank] = fresh
     s.rejoins += 1
-    out.append(Admit(m.Accept(rank=hello.rank, generation=hello.generation,
-                              world_size=s.config.world_size,
-                              coordinator_generation=s.config.coordinator_generation,
-                              run=s.run or s.schedule.run_config(s.dataset_size))))
+    membership.accept(s, hello, out)
     out.append(Record("rank-rejoined", {"rank": r.rank, "generation": hello.generation,
                                         "host": hello.host, "pid": hello.pid,
                                         "alive": [x.rank for x in s.alive]}))

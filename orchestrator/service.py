@@ -44,7 +44,7 @@ from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
 from ddpbus.orchestrator import bus, snapshot
 from ddpbus.orchestrator.config import describe
-from ddpbus.orchestrator.core import initial_state, transition
+from ddpbus.orchestrator.core import initial_state, resume, transition
 from ddpbus.orchestrator.lease import Lease, LeaseLost
 from ddpbus.orchestrator.provision import JobStorage, consumer_configs, ensure_job
 from ddpbus.orchestrator.state import (
@@ -203,7 +203,8 @@ class Coordinator:
                  s.job, self.config.world_size)
         deposed = asyncio.create_task(self.lease.lost.wait(), name="deposed")
         try:
-            await asyncio.wait([self.finish, deposed], return_when=asyncio.FIRST_COMPLETED)
+            waits: list[asyncio.Future[Any]] = [self.finish, deposed]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if self.lease.lost.is_set():
                 log.error("deposed: another coordinator took the lease; exiting without "
                           "publishing anything more")
@@ -248,14 +249,7 @@ class Coordinator:
 
     def _restore(self, snap: snapshot.Snapshot) -> None:
         now = self.clock()
-        state = snap.state
-        state.config = dataclasses.replace(state.config, coordinator_generation=(
-            self.config.coordinator_generation))
-        for r in state.ranks:
-            if r.alive:
-                r.last_heard = now  # their silence while no coordinator listened is no death
-        if state.rendezvous is not None:
-            state.rendezvous.deadline = now + state.config.rendezvous_timeout_s
+        state = resume(snap.state, self.config.coordinator_generation, now)
         self.state, self.covered_seq = state, snap.stream_seq
         self.resumed_from = snap.stream_seq
         log.warning("resuming job %s from the snapshot of generation %d (stream sequence "
@@ -287,9 +281,8 @@ class Coordinator:
         self.snapshots += 1
 
     def _rank_floor(self, sender: str) -> int:
-        if not sender.startswith("rank-"):
-            return 0
-        r = self.state.rank(int(sender[5:])) if sender[5:].isdigit() else None
+        rank = sj.sender_rank(sender)
+        r = self.state.rank(rank) if rank is not None else None
         return r.hello.generation if r is not None and r.hello is not None else 0
 
     # ------------------------------------------------------------------ events

@@ -220,7 +220,7 @@ class State:
     sessions: int = 0
     deaths: int = 0
     rejoins: int = 0
-    orphans: list[int] = field(default_factory=list)  # dead ranks whose lost work awaits
+    orphans: list[RankState] = field(default_factory=list)  # dead ranks whose lost work awaits
     # the settling of the round they may have been part of
     round_members: tuple[int, ...] = ()  # ranks in the latest SyncNow
     round_ok: bool | None = None  # None: no ack yet; True: some rank completed it

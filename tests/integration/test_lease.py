@@ -55,11 +55,15 @@ async def test_a_renewed_lease_is_not_waited_out(kv) -> None:  # type: ignore[no
 
 
 async def test_a_standby_waits_for_the_lease(kv) -> None:  # type: ignore[no-untyped-def]
-    a = lease.Lease(kv, "a", ttl=0.5)
+    clock = Clock()
+    a = lease.Lease(kv, "a", ttl=5.0, clock=clock)
     await a.take(wait=False)
-    b = lease.Lease(kv, "b", ttl=0.5)
-    waiting = asyncio.create_task(b.take(wait=True, poll=0.05))
-    await asyncio.sleep(0.2)
-    assert not waiting.done()
-    await asyncio.wait_for(waiting, 3.0)  # a never renewed: expired
+    b = lease.Lease(kv, "b", ttl=5.0, clock=clock)
+    standing_by = asyncio.Event()
+    waiting = asyncio.create_task(b.take(wait=True, poll=0.01,
+                                         on_wait=lambda _h: standing_by.set()))
+    await asyncio.wait_for(standing_by.wait(), 3.0)
+    assert not waiting.done()  # a's lease is live: b stands by
+    clock.now += 6.0  # a never renewed: expired
+    await asyncio.wait_for(waiting, 3.0)
     assert b.revision > a.revision

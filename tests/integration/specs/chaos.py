@@ -6,15 +6,15 @@ can tell a killed incarnation's batches from its successor's.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
+import ledger
 import torch
-from common import accuracy, digits, loss, mlp
+from common import loss
 from torch import nn
 
-from ddpbus.worker_agent import TrainSpec, current
-
-TRAIN, TEST = digits(with_index=True)
+from ddpbus.worker_agent import current
 
 
 class PidLedger:
@@ -29,14 +29,7 @@ class PidLedger:
         return loss(model, batch)
 
 
-spec = TrainSpec(
-    model=mlp,
-    optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
-    train_step=PidLedger(),
-    dataset=TRAIN,
-    batch_size=32,
-    epochs=int(os.environ.get("CHAOS_EPOCHS", "30")),
-    eval_fn=accuracy,
-    eval_dataset=TEST,
-    knobs={"lr_scale_ratio": 0.5, "heartbeat_timeout": 2.0},
-)
+# the ledger spec's model, data and optimizer; a longer run that tells incarnations apart
+spec = dataclasses.replace(
+    ledger.spec, train_step=PidLedger(), epochs=int(os.environ.get("CHAOS_EPOCHS", "30")),
+    knobs={**ledger.spec.knobs, "heartbeat_timeout": 2.0})
