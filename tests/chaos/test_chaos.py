@@ -13,7 +13,7 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +118,17 @@ def of(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [e for e in events if e["event"] == name]
 
 
+_STARTED: list[Job] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers() -> Iterator[None]:
+    """A failed scenario must not leave its processes to disturb the next one."""
+    yield
+    while _STARTED:
+        _STARTED.pop().kill()
+
+
 def run_job(broker: EmbeddedBroker, tmp: Path, workers: int, name: str,
             worker_args: dict[int, list[str]] | None = None) -> tuple[Job, Path]:
     ledger = tmp / "ledger"
@@ -125,6 +136,7 @@ def run_job(broker: EmbeddedBroker, tmp: Path, workers: int, name: str,
     job = start_job(broker.url, tmp, spec("chaos"), workers=workers, job=name,
                     coordinator_args=["--policy", "cadence"], worker_args=worker_args,
                     env={"LEDGER_DIR": str(ledger), "CHAOS_EPOCHS": str(EPOCHS)})
+    _STARTED.append(job)
     return job, ledger
 
 
@@ -195,9 +207,7 @@ def test_a_killed_coordinator_restarted_resumes_from_its_snapshot(
     first = job.procs["coordinator"]
     first.send_signal(signal.SIGKILL)
     first.wait(10)
-    trained = len(lines(ledger, 0))
-    wait_for("the workers to train on without a coordinator",
-             lambda: len(lines(ledger, 0)) > trained + 5 * BATCH)
+    # the workers train on inside their window while the new process starts (seconds)
     job.respawn("coordinator", "coordinator-2")
     events = finish(job, failed={"coordinator": -signal.SIGKILL})
     [resumed] = of(events, "coordinator-resumed")
