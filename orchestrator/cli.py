@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -201,6 +202,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     args = merge_env(parser, parser.parse_args(argv), os.environ if environ is None else environ)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: a hung process explains itself
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         runners = {"broker": run_broker, "coordinator": commands.run_coordinator,
                    "worker": commands.run_worker, "run": commands.run_local}

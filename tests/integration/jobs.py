@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -80,10 +81,16 @@ class Job:
         return dict(json.loads((self.tmp / "summary.json").read_text()))
 
     def dump(self) -> str:
-        return "\n".join(f"----- {n}\n{self.log(n)[-3000:]}" for n in self.procs)
+        return "\n".join(f"----- {n}\n{self.log(n)[-6000:]}" for n in self.procs)
 
     def kill(self) -> None:
-        for p in self.procs.values():
+        """Ends every process still running, each first printing its threads' stacks to its
+        log (the CLI's SIGUSR1 handler), so a hang shows where it hangs."""
+        alive = [p for p in self.procs.values() if p.poll() is None]
+        for p in alive:
+            p.send_signal(signal.SIGUSR1)
+        time.sleep(1.0 if alive else 0.0)  # faulthandler writes at once; give it a moment
+        for p in alive:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
