@@ -22,9 +22,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
+from typing import Any, TypeVar, cast
 
 import nats
 from nats.aio.client import Client
@@ -35,9 +37,12 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from tenacity import (
     AsyncRetrying,
+    RetryCallState,
     retry_if_exception_type,
+    retry_if_not_exception_type,
     stop_after_attempt,
     stop_after_delay,
+    stop_never,
     wait_exponential,
 )
 
@@ -47,6 +52,9 @@ from ddpbus.codecs.errors import DdpbusError
 log = logging.getLogger(__name__)
 
 _NATS_ERRORS = (OSError, TimeoutError, nats.errors.Error)
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = _NATS_ERRORS
+"""What a broker restart raises at a client (and a few permanent errors of the same types:
+retry them with a deadline)."""
 
 
 class BusUnavailable(DdpbusError, ConnectionError):
@@ -57,25 +65,99 @@ class PublishFailed(DdpbusError, ConnectionError):
     """A message could not be stored in the job stream despite retries."""
 
 
+Hook = Callable[[], Awaitable[None]]
+
+
 async def connect(url: str, *, name: str, deadline: timedelta = timedelta(seconds=30),
-                  user_credentials: str | None = None) -> Client:
-    """Connect with exponential back-off until ``deadline``; afterwards reconnect forever."""
+                  user_credentials: str | None = None, on_disconnect: Hook | None = None,
+                  on_reconnect: Hook | None = None) -> Client:
+    """Connect with exponential back-off until ``deadline``; afterwards reconnect forever.
+
+    The first connect must fail fast to be retried here (nats-py hangs on an absent server
+    unless reconnects are bounded); once connected, the client reconnects without limit,
+    waiting between attempts by the same tenacity back-off (a broker restart on the same
+    store is survived by every client). ``on_disconnect``/``on_reconnect`` run on the
+    client's loop when the connection drops and when it is back (subscriptions restored).
+    """
+    backoff = wait_exponential(multiplier=0.05, max=2.0)
+    # reconnects wait at most 1 s: a client back late after a broker restart would look
+    # dead to a coordinator that is already back
+    reconnect_backoff = wait_exponential(multiplier=0.05, max=1.0)
+    outage = {"errors": 0}
+    nc: Client | None = None
+
+    def next_server(servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
+        state = RetryCallState(AsyncRetrying(), None, (), {})
+        state.attempt_number = 1 + min((s.reconnects for s in servers), default=0)
+        return None, reconnect_backoff(state)
+
+    async def on_error(exc: Exception) -> None:
+        outage["errors"] += 1
+        if outage["errors"] == 1:  # one line per outage, not one per attempt
+            log.warning("%s: NATS connection trouble (%s: %s); reconnecting", name,
+                        type(exc).__name__, exc)
+
+    async def disconnected() -> None:
+        # what sat in the client's write buffer when the link broke would be flushed on
+        # reconnect *ahead of* earlier writes the dead socket swallowed, reordering the
+        # stream; drop it instead: stream-bound messages are re-published in order by their
+        # Publisher, acks and pull requests are re-issued, the rest is best-effort anyway
+        pending = getattr(nc, "_pending", None)
+        if nc is not None and isinstance(pending, list):
+            pending.clear()
+            nc._pending_data_size = 0
+        if on_disconnect is not None:
+            await on_disconnect()
+
+    async def reconnected() -> None:
+        log.warning("%s: reconnected to NATS after %d failed attempts", name,
+                    max(0, outage["errors"] - 1))
+        outage["errors"] = 0
+        if on_reconnect is not None:
+            await on_reconnect()
+
     try:
         async for attempt in AsyncRetrying(
             stop=stop_after_delay(deadline.total_seconds()),
-            wait=wait_exponential(multiplier=0.05, max=2.0),
+            wait=backoff,
             retry=retry_if_exception_type(_NATS_ERRORS),
             reraise=True,
         ):
             with attempt:
-                return await nats.connect(
+                nc = await nats.connect(
                     url, name=name, user_credentials=user_credentials,
                     connect_timeout=2, max_reconnect_attempts=1, reconnect_time_wait=0.1,
-                    allow_reconnect=True,
+                    # no silent buffering while reconnecting: a publish then fails at once
+                    # and its owner retries it in order (see Publisher)
+                    allow_reconnect=True, pending_size=0, error_cb=on_error,
+                    disconnected_cb=disconnected,
+                    reconnected_cb=reconnected, reconnect_to_server_handler=next_server,
                 )
+                nc.options["max_reconnect_attempts"] = -1  # connected: never give up again
+                return nc
     except _NATS_ERRORS as exc:
         raise BusUnavailable(f"cannot reach NATS at {url} within {deadline}: {exc}") from exc
     raise BusUnavailable(f"cannot reach NATS at {url}")  # pragma: no cover - tenacity reraises
+
+
+T = TypeVar("T")
+
+
+async def retry_while_away(op: Callable[[], Awaitable[T]], *, deadline: float | None = None
+                           ) -> T:
+    """Run ``op`` until it succeeds, retrying transient bus errors (no connection, a
+    timeout, JetStream not ready after a server restart) with back-off, forever or until
+    ``deadline`` seconds. Compare-and-set conflicts are not transient: they are raised."""
+    async for attempt in AsyncRetrying(
+        stop=stop_never if deadline is None else stop_after_delay(deadline),
+        wait=wait_exponential(multiplier=0.05, max=1.0),
+        retry=retry_if_exception_type(_NATS_ERRORS)
+        & retry_if_not_exception_type(KeyWrongLastSequenceError),
+        reraise=True,
+    ):
+        with attempt:
+            return await op()
+    raise AssertionError("unreachable: tenacity reraises")  # pragma: no cover
 
 
 async def publish(js: JetStreamContext, out: Outbound, *, ack_timeout: float = 5.0) -> PubAck:
@@ -135,6 +217,7 @@ class StreamReader:
         self.redelivered = 0  # dropped: already handled (an ack that did not arrive in time)
         self.last_stream_seq = 0
         self.handled_seq = 0  # the newest stream sequence handed to ``handler``
+        self._inbox = ""
 
     async def _request(self) -> None:
         body = {"batch": self._batch, "expires": int(self._expires * 1e9),
@@ -151,7 +234,12 @@ class StreamReader:
         try:
             while True:
                 if self._pending <= self._batch // 2:
-                    await self._request()
+                    try:
+                        await self._request()
+                    except _NATS_ERRORS:  # no connection right now: try again shortly
+                        self._pending = 0
+                        await asyncio.sleep(0.2)
+                        continue
                 try:
                     msg = await sub.next_msg(timeout=ACK_DELAY_S if last is not None
                                              else 3 * self._heartbeat)
@@ -183,6 +271,14 @@ class StreamReader:
                 await self._ack(last)
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
+
+    async def reconnected(self) -> None:
+        """The connection is back (a broker restart loses outstanding pull requests): ask
+        again now rather than after the next silent interval."""
+        self._pending = 0
+        if self._inbox:
+            with contextlib.suppress(*_NATS_ERRORS):
+                await self._request()
 
     def _on_status(self, status: str, msg: Msg) -> None:
         if status == "100":
@@ -226,7 +322,12 @@ class Publisher:
         self._js = js
         self._nc: Client = js._nc  # the context's own connection
         self._queue: asyncio.Queue[tuple[Outbound, bool]] = asyncio.Queue()
-        self._inflight: deque[tuple[Outbound, asyncio.Future[PubAck]]] = deque()
+        self._inflight: deque[tuple[Outbound, asyncio.Future[PubAck], float]] = deque()
+        self._resend_before = float("-inf")  # re-publish what was sent before this (loop time)
+        self._wake = asyncio.Event()
+        self._open = asyncio.Event()  # new publishes may go out
+        self._open.set()
+        self._sending = asyncio.Lock()  # held from a publish to its entry in _inflight
         self._window = asyncio.Semaphore(window)
         self._ack_timeout = ack_timeout
         self._retry_deadline = retry_deadline
@@ -251,6 +352,7 @@ class Publisher:
 
     async def run(self) -> None:
         checker = asyncio.create_task(self._check_acks(), name="publisher-acks")
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 out, acked = await self._queue.get()
@@ -260,34 +362,90 @@ class Publisher:
                     self._done()
                     continue
                 await self._window.acquire()
-                try:
-                    fut = await self._js.publish_async(out.subject, out.payload,
-                                                       headers=out.headers)
-                except _NATS_ERRORS:
-                    fut = asyncio.get_running_loop().create_future()
-                    fut.set_exception(ConnectionError("publish_async failed"))
-                self._inflight.append((out, fut))
+                while True:
+                    await self._open.wait()  # closed: link down, or a backlog being resent
+                    async with self._sending:
+                        if self._open.is_set():
+                            await self._send(out, loop)
+                            break
                 self._acked.set()
         finally:
             checker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await checker
 
+    async def _send(self, out: Outbound, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            fut = await self._js.publish_async(out.subject, out.payload, headers=out.headers)
+        except _NATS_ERRORS:  # e.g. no connection now: resent in order by the checker
+            fut = loop.create_future()
+            fut.set_exception(ConnectionError("publish_async failed"))
+        self._inflight.append((out, fut, loop.time()))
+
+    def disconnected(self) -> None:
+        """The link broke: nothing new goes out until what was in flight is resent."""
+        self._open.clear()
+
+    def reconnected(self) -> None:
+        """The connection is back: whatever was sent before and not acked may have died
+        with the old link, so it is re-published (in order) now instead of after its ack
+        timeout; JetStream drops the copies it had already stored."""
+        self._resend_before = asyncio.get_running_loop().time()
+        if not self._inflight:
+            self._open.set()
+        self._wake.set()
+
+    async def _await_ack(self, fut: asyncio.Future[PubAck], sent: float) -> bool:
+        """True when ``fut`` acked in time; False when it must be re-published."""
+        loop = asyncio.get_running_loop()
+        while not fut.done():
+            left = sent + self._ack_timeout - loop.time()
+            if left <= 0 or sent < self._resend_before:
+                return False
+            self._wake.clear()
+            waker: asyncio.Future[Any] = asyncio.ensure_future(self._wake.wait())
+            try:
+                await asyncio.wait([cast("asyncio.Future[Any]", fut), waker], timeout=left,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waker.cancel()
+        return not fut.cancelled() and fut.exception() is None
+
     async def _check_acks(self) -> None:
         while True:
             while not self._inflight:
                 self._acked.clear()
                 await self._acked.wait()
-            out, fut = self._inflight[0]
-            try:
-                await asyncio.wait_for(asyncio.shield(fut), self._ack_timeout)
-            except (*_NATS_ERRORS, ConnectionError):
-                await self._retry(out)
+            out, fut, sent = self._inflight[0]
+            if not await self._await_ack(fut, sent):
+                await self._resend()
+            if self._nc.is_connected:
+                self._open.set()
             self._inflight.popleft()
             if self._unstored and self._unstored[0] is out:
                 self._unstored.popleft()
             self._window.release()
             self._done()
+
+    async def _resend(self) -> None:
+        """Re-publish every message in flight that has no ack, in submission order, before
+        anything new goes out. A server processes one connection's messages in order, so
+        those already stored are a prefix of what was in flight: JetStream drops their
+        copies (same ``Nats-Msg-Id``) and the rest land after them, in order."""
+        loop = asyncio.get_running_loop()
+        self._open.clear()
+        async with self._sending:  # a publish under way joins the backlog first
+            pass
+        log.info("re-publishing up to %d unacknowledged messages in order",
+                 len(self._inflight))
+        for i in range(len(self._inflight)):  # nothing is appended while closed
+            out, fut, sent = self._inflight[i]
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                continue
+            await self._retry(out)
+            stored: asyncio.Future[PubAck] = loop.create_future()
+            stored.set_result(PubAck(stream="", seq=0))
+            self._inflight[i] = (out, stored, sent)
 
     def _done(self) -> None:
         self.published += 1
@@ -295,11 +453,29 @@ class Publisher:
         if self._outstanding == 0:
             self._idle.set()
 
+    def _connected_time_spent(self) -> Callable[[RetryCallState], bool]:
+        """A tenacity stop: the retry deadline counts only time with a live connection, so a
+        broker that is away for minutes (a restart) does not make messages be given up."""
+        spent = {"s": 0.0, "at": time.monotonic()}
+
+        def stop(_state: RetryCallState) -> bool:
+            now = time.monotonic()
+            if self._nc.is_connected:
+                spent["s"] += now - spent["at"]
+            spent["at"] = now
+            return spent["s"] > self._retry_deadline
+        return stop
+
     async def _retry(self, out: Outbound) -> None:
         try:
             async for attempt in AsyncRetrying(
-                stop=stop_after_delay(self._retry_deadline),
+                stop=self._connected_time_spent(),
                 wait=wait_exponential(multiplier=0.05, max=2.0),
+                before_sleep=lambda st: log.debug("re-publishing %s: attempt %d failed (%r)",
+                                                  out.headers.get("Nats-Msg-Id"),
+                                                  st.attempt_number,
+                                                  st.outcome.exception() if st.outcome
+                                                  else None),
                 retry=retry_if_exception_type((*_NATS_ERRORS, ConnectionError)),
                 reraise=True,
             ):

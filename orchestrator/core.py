@@ -17,6 +17,7 @@ from ddpbus.orchestrator import callbacks, membership, window
 from ddpbus.orchestrator.elche import ElChe
 from ddpbus.orchestrator.guard import TrendGuard
 from ddpbus.orchestrator.state import (
+    BusRestored,
     Command,
     CoreConfig,
     Event,
@@ -51,11 +52,17 @@ def resume(state: State, coordinator_generation: int, now: float) -> State:
     minted gets a fresh deadline."""
     state.config = dataclasses.replace(state.config,
                                        coordinator_generation=coordinator_generation)
+    _forgive_silence(state, now)
+    return state
+
+
+def _forgive_silence(state: State, now: float) -> None:
+    """Nobody could be heard until ``now`` (no coordinator, or no broker): every live rank
+    gets a full heartbeat timeout from here, and a session being minted a fresh deadline."""
     for r in state.alive:
-        r.last_heard = now
+        r.last_heard = max(r.last_heard, now)
     if state.rendezvous is not None:
         state.rendezvous.deadline = now + state.config.rendezvous_timeout_s
-    return state
 
 
 def transition(state: State, event: Event, now: float) -> tuple[State, list[Command]]:
@@ -76,6 +83,9 @@ def transition(state: State, event: Event, now: float) -> tuple[State, list[Comm
         _tick(state, now, out)
     elif isinstance(event, Stop):
         membership.end_run(state, m.SaveReason.GRACEFUL_SHUTDOWN, event.reason, now, out)
+    elif isinstance(event, BusRestored):
+        _forgive_silence(state, now)
+        out.append(Record("bus-restored", {"away_s": round(event.away_s, 3)}))
     for c in out:
         if isinstance(c, Refuse):
             state.refusals[c.reason] += 1

@@ -70,6 +70,9 @@ class Lease:
         self.revision = 0
         self.renewed_at = 0.0
         self.lost: asyncio.Event = asyncio.Event()
+        # the renew task and confirm() may both renew: one at a time, or the second
+        # compare-and-set would fail against the first's revision
+        self._renewing = asyncio.Lock()
 
     async def try_take(self) -> bool:
         """Take the lease if nobody holds a live one; True when taken."""
@@ -128,9 +131,23 @@ class Lease:
         return not self.lost.is_set() and self.clock() - self.renewed_at < self.ttl
 
     async def _renew_once(self) -> bool:
+        async with self._renewing:
+            return await self._renew_locked()
+
+    async def _renew_locked(self) -> bool:
         try:
-            self.revision = await self.kv.update(
-                LEASE_KEY, _value(self.holder, self.ttl, self.clock), last=self.revision)
+            try:
+                self.revision = await self.kv.update(
+                    LEASE_KEY, _value(self.holder, self.ttl, self.clock), last=self.revision)
+            except KeyWrongLastSequenceError:
+                current = await read(self.kv)
+                if current is None or current.holder != self.holder:
+                    raise
+                # our own renewal, stored just before the broker went away, its ack lost
+                # (or a data loss that kept an older one of ours)
+                self.revision = await self.kv.update(
+                    LEASE_KEY, _value(self.holder, self.ttl, self.clock),
+                    last=current.revision)
         except KeyWrongLastSequenceError:
             log.error("the coordinator lease was taken over; this coordinator is "  # noqa: TRY400
                       "deposed")

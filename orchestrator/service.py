@@ -36,7 +36,7 @@ from typing import IO, Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
-from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from ddpbus.codecs import DecodeError, Decoder, Encoder, Outbound
 from ddpbus.codecs import messages as m
@@ -49,6 +49,7 @@ from ddpbus.orchestrator.lease import Lease, LeaseLost
 from ddpbus.orchestrator.provision import JobStorage, consumer_configs, ensure_job
 from ddpbus.orchestrator.state import (
     Admit,
+    BusRestored,
     CoreConfig,
     Event,
     Finish,
@@ -106,11 +107,15 @@ class Coordinator:
         self.rejected: Counter[str] = Counter()
         self.finish: asyncio.Future[Finish] | None = None
         self._events_file: IO[str] | None = None
+        self._bus_down_since: float | None = None  # wall clock when the connection dropped
+        self._snapshot_rev: int | None = None  # KV revision of the last snapshot written
+        self._background: set[asyncio.Task[None]] = set()
 
     async def run(self) -> int:
         s = self.settings
         nc = await bus.connect(s.nats_url, name=f"ddpbus-{s.job}-coordinator",
-                               deadline=s.connect_deadline)
+                               deadline=s.connect_deadline, on_disconnect=self._bus_lost,
+                               on_reconnect=self._bus_back)
         try:
             return await self._run(nc)
         finally:
@@ -149,7 +154,7 @@ class Coordinator:
         summary = summarize(self.state) | {"decode_rejections": dict(self.rejected),
                                            "snapshots": self.snapshots,
                                            "resumed_from_seq": self.resumed_from}
-        await kv.put(SUMMARY_KEY, json.dumps(summary).encode())
+        await bus.retry_while_away(lambda: kv.put(SUMMARY_KEY, json.dumps(summary).encode()))
         if s.summary_path is not None:
             s.summary_path.parent.mkdir(parents=True, exist_ok=True)
             s.summary_path.write_text(json.dumps(summary, indent=2) + "\n")
@@ -231,6 +236,7 @@ class Coordinator:
         try:
             entry = await kv.get(snapshot.SNAPSHOT_KEY)
             data = entry.value or b""
+            self._snapshot_rev = entry.revision
         except KeyNotFoundError:
             data = b""
         if not data:
@@ -272,13 +278,35 @@ class Coordinator:
             await js.delete_consumer(stream, sj.COORDINATOR_CONSUMER)
         await js.add_consumer(stream, config)
 
-    async def _snapshot(self, new: list[Outbound]) -> None:
+    async def _snapshot(self, new: list[Outbound]) -> bool:
+        """Store the write-ahead snapshot (retried while the broker is away); False when a
+        newer coordinator has written one since ours: this one is deposed."""
         snap = snapshot.Snapshot(state=self.state, stream_seq=self.covered_seq,
                                  outbox=[*self.publisher.unstored(), *new],
                                  coordinator_generation=self.config.coordinator_generation,
                                  saved_at=self.clock())
-        await self.kv.put(snapshot.SNAPSHOT_KEY, snapshot.encode(snap, self.settings.key))
+        data = snapshot.encode(snap, self.settings.key)
+        try:
+            self._snapshot_rev = await bus.retry_while_away(lambda: self._store(data))
+        except KeyWrongLastSequenceError:
+            log.error("another coordinator wrote the snapshot since this one did: deposed")  # noqa: TRY400
+            self.lease.lost.set()
+            return False
         self.snapshots += 1
+        return True
+
+    async def _store(self, data: bytes) -> int:
+        """One compare-and-set write of the snapshot key against our last revision."""
+        key = snapshot.SNAPSHOT_KEY
+        if self._snapshot_rev is None:
+            return int(await self.kv.put(key, data))
+        try:
+            return int(await self.kv.update(key, data, last=self._snapshot_rev))
+        except KeyWrongLastSequenceError:
+            entry = await self.kv.get(key)
+            if entry.value == data and entry.revision is not None:
+                return int(entry.revision)  # ours: stored before the broker went, ack lost
+            raise
 
     def _rank_floor(self, sender: str) -> int:
         rank = sj.sender_rank(sender)
@@ -291,14 +319,19 @@ class Coordinator:
         """Run one event through the core and carry out its commands, in order: the
         snapshot that covers them is stored before any is published (write-ahead)."""
         async with self._lock:
-            if not await self.lease.confirm():
-                return  # deposed, or unable to prove the lease (paused?): decide nothing
+            while not await self.lease.confirm():
+                # deposed, or the lease cannot be proven (paused? broker away?): decide
+                # nothing; an input (not a tick) waits until the lease is proven or lost
+                if self.lease.lost.is_set() or isinstance(event, Tick):
+                    return
+                await asyncio.sleep(0.2)
             self.state, commands = transition(self.state, event, self.clock())
             if seq is not None:
                 self.covered_seq = seq
             outbound = self._carry_out(commands)
             if outbound:
-                await self._snapshot(outbound)
+                if not await self._snapshot(outbound):
+                    return
                 for out in outbound:
                     self.publisher.submit(out)
 
@@ -360,7 +393,28 @@ class Coordinator:
     async def _ticker(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
-            await self.apply(Tick())
+            if self._bus_down_since is None:  # without a connection, silence proves nothing
+                await self.apply(Tick())
+
+    async def _bus_lost(self) -> None:
+        if getattr(self, "publisher", None) is not None:
+            self.publisher.disconnected()
+        if self._bus_down_since is None:
+            self._bus_down_since = self.clock()
+            log.warning("lost the NATS connection: no liveness judgement until it is back")
+
+    async def _bus_back(self) -> None:
+        since, self._bus_down_since = self._bus_down_since, None
+        away = self.clock() - since if since is not None else 0.0
+        if getattr(self, "publisher", None) is not None:
+            self.publisher.reconnected()
+        if getattr(self, "reader", None) is not None:
+            await self.reader.reconnected()
+        if self.finish is not None and not self.finish.done():
+            # off the client's callback: apply may wait for the lock and the store
+            task = asyncio.create_task(self.apply(BusRestored(away)), name="bus-restored")
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     async def _beacon(self) -> None:
         out = None

@@ -52,7 +52,15 @@ class Stop:
     reason: str = "stopped by signal"
 
 
-Event = Joined | Timing | Metrics | Tick | Stop
+@dataclass(frozen=True, slots=True)
+class BusRestored:
+    """The coordinator's NATS connection is back after ``away_s`` seconds without it (a
+    broker restart): nothing could be heard meanwhile, so silence is no evidence of death."""
+
+    away_s: float
+
+
+Event = Joined | Timing | Metrics | Tick | Stop | BusRestored
 
 # ----------------------------------------------------------------------- commands
 

@@ -99,6 +99,8 @@ class WorkerAgent:
         self._floor = 0  # coordinator generation fence, from Accept
         self.dropped_before_accept = 0
         self.resume_seq = 0  # this rank's consumer had acked this far: a restart
+        self._bus_down = False
+        self.reader: bus.StreamReader | None = None
 
     # ------------------------------------------------------------------ entry
 
@@ -114,7 +116,8 @@ class WorkerAgent:
         self.trainer = trainer
         self.loop = asyncio.get_running_loop()
         nc = await bus.connect(s.nats_url, name=f"ddpbus-{s.job}-rank-{s.rank}",
-                               deadline=s.join_timeout)
+                               deadline=s.join_timeout, on_disconnect=self._bus_lost,
+                               on_reconnect=self._bus_back)
         try:
             return await self._run(nc, trainer, device)
         finally:
@@ -147,6 +150,7 @@ class WorkerAgent:
         self._done = self.loop.create_future()
         reader = bus.StreamReader(nc, sj.stream_name(s.job), sj.rank_consumer(s.rank),
                                   self._on_control)
+        self.reader = reader
         live = await nc.subscribe(sj.LIVE_COORDINATOR.subject(s.job), cb=self._on_live)
         tasks = [asyncio.create_task(c, name=n) for c, n in (
             (self.publisher.run(), "publisher"), (reader.run(), "control-reader"))]
@@ -323,19 +327,42 @@ class WorkerAgent:
             self._last_coordinator = time.monotonic()
 
     async def _beacon(self) -> None:
-        s = self.settings
-        subject = sj.LIVE_RANK.subject(s.job, s.rank)
         while True:
-            out = self.encoder.encode(subject, m.Heartbeat(rank=s.rank,
-                                                           step_count=self.trainer.step))
-            with contextlib.suppress(Exception):
-                await bus.publish_core(self.nc, out)
-            await asyncio.sleep(s.heartbeat_interval.total_seconds())
+            await self._heartbeat()
+            await asyncio.sleep(self.settings.heartbeat_interval.total_seconds())
+
+    async def _heartbeat(self) -> None:
+        s = self.settings
+        out = self.encoder.encode(sj.LIVE_RANK.subject(s.job, s.rank),
+                                  m.Heartbeat(rank=s.rank, step_count=self.trainer.step))
+        with contextlib.suppress(Exception):
+            await bus.publish_core(self.nc, out)
+
+    async def _bus_lost(self) -> None:
+        if getattr(self, "publisher", None) is not None:
+            self.publisher.disconnected()
+        if not self._bus_down:
+            self._bus_down = True
+            log.warning("rank %d: lost the NATS connection; training on, reconnecting",
+                        self.rank)
+
+    async def _bus_back(self) -> None:
+        self._bus_down = False
+        # the coordinator could not be heard either: its deadline starts again now
+        self._last_coordinator = time.monotonic()
+        if getattr(self, "publisher", None) is not None:
+            self.publisher.reconnected()
+        if self.reader is not None:
+            await self.reader.reconnected()
+        if self._admitted is not None and self._admitted.done():
+            await self._heartbeat()  # at once: the coordinator forgave silence until now
 
     async def _watch_coordinator(self) -> None:
         limit = self._coordinator_timeout
         while True:
             await asyncio.sleep(min(1.0, limit / 4))
+            if self._bus_down:
+                continue  # nobody can be heard without a connection: not the coordinator's fault
             silent = time.monotonic() - self._last_coordinator
             if silent > limit:
                 log.error("rank %d: no word from the coordinator for %.0fs; giving up",

@@ -31,11 +31,12 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 from torch._C._distributed_c10d import Store  # = torch.distributed.Store, typed
 
 from ddpbus.codecs.errors import DdpbusError
-from ddpbus.orchestrator.bus import connect
+from ddpbus.orchestrator.bus import TRANSIENT_ERRORS, connect
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_TRANSIENT = TRANSIENT_ERRORS  # a broker restart: set/get/check/wait are retried through it
 
 KEY_PREFIX = "td."
 """KV keys of the rendezvous: ``td.<base64url(torch key)>`` (torch keys may hold any text)."""
@@ -101,13 +102,17 @@ class NatsKVStore(Store):
 
     # ---------------------------------------------------------------- Store API
 
+    def _transient(self, op: Callable[[], Awaitable[T]]) -> T:
+        """``op`` retried through a broker restart (within the store's timeout)."""
+        return self._call(self._retry(op, self._op_timeout.total_seconds(), _TRANSIENT))
+
     def set(self, key: str, value: bytes | str) -> None:
         data = value.encode() if isinstance(value, str) else bytes(value)
-        self._call(self.kv.put(kv_key(key), data))
+        self._transient(lambda: self.kv.put(kv_key(key), data))
 
     def get(self, key: str) -> bytes:
         self.wait([key])
-        return self._call(self._get(key))[0]
+        return self._transient(lambda: self._get(key))[0]
 
     def add(self, key: str, amount: int) -> int:
         async def once() -> int:
@@ -155,7 +160,7 @@ class NatsKVStore(Store):
                     return False
             return True
 
-        return self._call(all_present())
+        return self._transient(all_present)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         limit = (timeout or self._op_timeout).total_seconds()
@@ -165,7 +170,7 @@ class NatsKVStore(Store):
                 await self._get(k)
 
         try:
-            self._call(self._retry(present, limit, (_Absent,)), timeout=limit)
+            self._call(self._retry(present, limit, (_Absent, *_TRANSIENT)), timeout=limit)
         except _Absent as exc:
             raise StoreTimeout(f"rendezvous key {exc.args[0]!r} did not appear within "
                                f"{limit:.1f}s") from None

@@ -9,6 +9,7 @@ Each scenario runs once by default; DDPBUS_CHAOS_REPEAT=N repeats it N times.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import time
@@ -22,7 +23,7 @@ import torch
 from jobs import Job, spec, start_job
 from safetensors.torch import load_file
 
-from ddpbus.orchestrator.broker import EmbeddedBroker
+from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
 from ddpbus.worker_agent.data import epoch_permutation
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
@@ -239,3 +240,29 @@ def test_a_standby_takes_over_and_the_stopped_leader_is_deposed(
     assert standby.returncode == 0
     assert of(events, "coordinator-resumed")
     recovered(job, ledger, events, {}, [0, 1])
+
+
+@pytest.mark.parametrize("attempt", REPEAT)
+def test_the_broker_restarted_on_its_store_loses_nothing(broker: EmbeddedBroker,
+                                                         tmp_path: Path, attempt: int) -> None:
+    rng = random.Random(f"broker-{attempt}-{time.time_ns()}")
+    seed = rng.randrange(2**32)
+    rng.seed(seed)
+    outage_s = rng.uniform(0.5, 4.0)  # up to twice the heartbeat timeout: silence, no death
+    print(f"broker restart: seed {seed}, outage {outage_s:.2f}s")
+    job, ledger = run_job(broker, tmp_path, 2, f"broker-{attempt}",
+                          worker_args={0: ["--slowdown", "3"], 1: ["--slowdown", "3"]})
+    wait_for("rank 0 to train 4 epochs", lambda: trained_epochs(ledger, 0) >= 4)
+    port, store = broker.port, broker.store_dir
+    broker.stop()
+    time.sleep(outage_s)  # the outage itself is the scenario, not a wait for a condition
+    again = EmbeddedBroker(BrokerConfig(port=port, store_dir=store))
+    again.start()
+    try:
+        events = finish(job, failed={})
+        assert not of(events, "rank-dead"), f"seed {seed}: a rank was declared dead"
+        assert of(events, "bus-restored"), "the coordinator never noticed the outage"
+        recovered(job, ledger, events, {}, [0, 1])
+        assert "reconnected to NATS" in job.log("rank-0")
+    finally:
+        again.stop()

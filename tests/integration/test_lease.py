@@ -67,3 +67,27 @@ async def test_a_standby_waits_for_the_lease(kv) -> None:  # type: ignore[no-unt
     clock.now += 6.0  # a never renewed: expired
     await asyncio.wait_for(waiting, 3.0)
     assert b.revision > a.revision
+
+
+async def test_concurrent_renewals_by_the_holder_do_not_depose_it(kv) -> None:  # type: ignore[no-untyped-def]
+    # after a broker outage the renew task and confirm() both renew at once
+    clock = Clock()
+    a = lease.Lease(kv, "a", ttl=5.0, clock=clock)
+    await a.take(wait=False)
+    clock.now += 4.0  # renewal overdue (the broker was away)
+    results = await asyncio.gather(a._renew_once(), a.confirm(), a._renew_once())
+    assert all(results)
+    assert not a.lost.is_set()
+
+
+async def test_a_stale_revision_of_our_own_is_adopted(kv) -> None:  # type: ignore[no-untyped-def]
+    # a renewal stored just before the broker went away, its ack lost: the holder's
+    # revision is stale, but the key is still its own
+    a = lease.Lease(kv, "a", ttl=5.0)
+    await a.take(wait=False)
+    a.revision = await kv.update(lease.LEASE_KEY, b'{"holder": "a", "expires": 0}',
+                                 last=a.revision) - 1
+    assert await a._renew_once()
+    assert not a.lost.is_set()
+    b = lease.Lease(kv, "b", ttl=5.0)
+    assert not await b.try_take()  # still a's, freshly renewed

@@ -289,3 +289,23 @@ def test_a_rank_leaving_gracefully_is_shrunk_around_without_counting_as_a_failur
 def m_exiting(rank: int) -> Any:
     from ddpbus.orchestrator.state import Timing
     return Timing(m.Exiting(rank=rank))
+
+
+@pytest.mark.parametrize("restored", [True, False])
+def test_silence_while_the_broker_was_away_is_no_death(restored: bool) -> None:
+    from ddpbus.orchestrator.core import transition
+    from ddpbus.orchestrator.state import BusRestored, Record, Tick
+    sim = make("cadence", speeds=SLOW)
+    with pytest.raises(AssertionError, match="no Finish"):
+        sim.run(until=1.0)  # training, every rank heard within the last second
+    state, now = sim.state, sim.now + 5.0  # 5 s without a connection (timeout 2 s)
+    out = []
+    if restored:
+        state, out = transition(state, BusRestored(away_s=5.0), now)
+    state, ticked = transition(state, Tick(), now + 0.1)
+    records = [c.event for c in [*out, *ticked] if isinstance(c, Record)]
+    if restored:
+        assert records == ["bus-restored"]
+        assert all(now - r.last_heard <= 0.0 for r in state.alive)
+    else:  # the same silence without the shell's word is taken for deaths
+        assert "rank-dead" in records
