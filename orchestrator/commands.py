@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +207,11 @@ def run_coordinator(args: argparse.Namespace) -> int:
     return asyncio.run(Coordinator(settings, config).run())
 
 
+# a worker that decided to exit gets this long (its trainer's join and the final flush take
+# up to 30 s each) before it dumps its threads' stacks and exits 1 regardless
+WORKER_EXIT_GRACE = timedelta(seconds=90)
+
+
 def run_worker(args: argparse.Namespace) -> int:
     from ddpbus.worker_agent.agent import WorkerAgent, WorkerSettings
     from ddpbus.worker_agent.spec import load_spec
@@ -218,7 +224,7 @@ def run_worker(args: argparse.Namespace) -> int:
                               nats_url=args.nats, key=key, out_dir=args.out,
                               final_state=args.final_state, device=args.device or "auto",
                               slowdown=args.slowdown, torch_threads=args.torch_threads,
-                              wire_json=args.wire_json)
+                              wire_json=args.wire_json, exit_grace=WORKER_EXIT_GRACE)
     return asyncio.run(WorkerAgent(settings, spec).run())
 
 

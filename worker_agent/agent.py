@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import hashlib
 import logging
 import os
@@ -60,6 +61,7 @@ class WorkerSettings:
     wire_json: bool = False
     join_timeout: timedelta = timedelta(seconds=300)
     heartbeat_interval: timedelta = timedelta(seconds=1)
+    exit_grace: timedelta | None = None  # the CLI's process: at most this long to exit
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -122,7 +124,7 @@ class WorkerAgent:
             return await self._run(nc, trainer, device)
         finally:
             with contextlib.suppress(Exception):
-                await nc.close()
+                await asyncio.wait_for(nc.close(), 5.0)
             if getattr(self, "_kv_store", None) is not None:
                 self._kv_store.close()
 
@@ -193,6 +195,11 @@ class WorkerAgent:
             outcome = await self._done_future()
         finally:
             watchdog.cancel()
+        if s.exit_grace is not None:
+            # the exit is decided: whatever hangs from here on (a native thread, teardown
+            # at interpreter exit) must not keep the process, and a pod's restart, waiting:
+            # past the grace every thread's stack goes to stderr and the process exits 1
+            faulthandler.dump_traceback_later(s.exit_grace.total_seconds(), exit=True)
         trainer.join(timeout=30)
         if outcome.clean:
             self._send(m.Exiting(rank=s.rank))
