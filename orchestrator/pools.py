@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ddpbus.codecs import messages as m
 
@@ -112,6 +113,18 @@ class Pool:
         if last < self.cursor:
             wrong.append((last, depth))
         return wrong
+
+    def ledger(self) -> dict[str, Any]:
+        """The epoch's proof of coverage: the batches trained into the consensus (each
+        assignment as it stood at the end: a dead rank's cut to what it had averaged), and
+        where they fail to tile the epoch exactly once."""
+        done = sum(min(a.done, a.size) for _, a in self.assignments)
+        gaps = self.coverage_gaps() if self.exhausted else [(self.cursor, 0)]
+        incomplete = [[a.offset, a.size - a.done] for _, a in self.assignments
+                      if not a.complete]
+        return {"epoch": self.epoch, "batches": self.total, "trained": done,
+                "chunks": len(self.assignments), "gaps": gaps, "incomplete": incomplete,
+                "exact": not gaps and not incomplete and done == self.total}
 
     def chunks(self) -> dict[int, list[m.MetricsMsg]]:
         out: dict[int, list[m.MetricsMsg]] = {}

@@ -22,6 +22,18 @@ def _per_rank(s: State, name: str) -> dict[str, float]:
     return {str(rank): v for rank, v in enumerate(totals)}
 
 
+def _coverage(s: State) -> dict[str, Any]:
+    """Every planned epoch's batches in the consensus exactly once, from the coordinator's
+    ledger of chunks (assignments), epoch by epoch."""
+    epochs = [s.pools[e].ledger() if e in s.pools else
+              {"epoch": e, "batches": s.total_batches, "trained": 0, "exact": False}
+              for e in range(s.schedule.epochs)] if s.total_batches else []
+    return {"exact": bool(epochs) and all(e["exact"] for e in epochs),
+            "epochs": len(epochs),
+            "batches": sum(int(e["trained"]) for e in epochs),
+            "violations": [e for e in epochs if not e["exact"]]}
+
+
 def summarize(s: State) -> dict[str, Any]:
     batches = {r.rank: r.batches_total for r in s.ranks}
     total = sum(batches.values())
@@ -56,5 +68,6 @@ def summarize(s: State) -> dict[str, Any]:
         "dataset_size": s.dataset_size,
         "batches_per_epoch": s.total_batches,
         "refused": dict(s.refusals),
+        "coverage": _coverage(s),
         "schedule": describe(s.schedule),
     }

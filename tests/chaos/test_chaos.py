@@ -8,8 +8,8 @@ Each scenario runs once by default; DDPBUS_CHAOS_REPEAT=N repeats it N times.
 
 from __future__ import annotations
 
+import json
 import os
-import random
 import signal
 import subprocess
 import time
@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from faults import FAULTS, loops, scenario_rng
 from jobs import Job, spec, start_job
 from safetensors.torch import load_file
 
@@ -104,12 +105,30 @@ def same_replicas(out: Path, ranks: list[int]) -> None:
             assert torch.equal(states[0][k], other[k]), f"replicas differ at {k}"
 
 
+_BASELINE: dict[str, float] = {}
+
+
+def undisturbed_accuracy(tmp: Path) -> float:
+    """Test accuracy of the same job with no fault (3 workers), once per session."""
+    if "accuracy" not in _BASELINE:
+        with EmbeddedBroker(BrokerConfig(store_dir=tmp / "store")) as b:
+            job, _ = run_job(b, tmp, 3, "undisturbed")
+            finish(job, failed={})
+            _BASELINE["accuracy"] = float(job.wait_summary()["test_accuracy"])
+    return _BASELINE["accuracy"]
+
+
 def recovered(job: Job, ledger: Path, events: list[dict[str, Any]],
               dead_pids: dict[int, int], survivors: list[int]) -> dict[str, Any]:
-    """The run ended well: summary ok, accuracy, coverage exactly once, equal replicas."""
+    """The run ended well: summary ok, accuracy within 1 pp of an undisturbed run,
+    coverage exactly once (by the workers' ledger and by the coordinator's), equal
+    replicas."""
     summary = job.wait_summary()
     assert summary["ok"], summary
-    assert summary["test_accuracy"] >= 0.95
+    baseline = undisturbed_accuracy(job.tmp.parent / "undisturbed")
+    assert summary["test_accuracy"] >= min(0.95, baseline - 0.01), (
+        f"accuracy {summary['test_accuracy']:.4f}, undisturbed {baseline:.4f}")
+    assert summary["coverage"]["exact"], summary["coverage"]  # the coordinator's own proof
     exactly_once(job, ledger, events, dead_pids)
     same_replicas(job.out, survivors)
     return summary
@@ -148,6 +167,7 @@ def test_sigkill_one_of_three_the_survivors_finish(broker: EmbeddedBroker, tmp_p
     wait_for("rank 1 to train 5 epochs", lambda: trained_epochs(ledger, 1) >= 5)
     victim = job.procs["rank-1"]
     victim.send_signal(signal.SIGKILL)
+    FAULTS["worker SIGKILL"] += 1
     events = finish(job, failed={"rank-1": -signal.SIGKILL})
     [dead] = of(events, "rank-dead")
     assert dead["rank"] == 1
@@ -168,6 +188,8 @@ def test_a_killed_worker_restarted_grows_back(broker: EmbeddedBroker, tmp_path: 
     victim.send_signal(signal.SIGKILL)
     victim.wait(10)
     reborn = job.respawn("rank-1", "rank-1b")  # like a pod restart: at once, same command
+    FAULTS["worker SIGKILL"] += 1
+    FAULTS["worker restarted"] += 1
     events = finish(job, failed={"rank-1": -signal.SIGKILL})
     [dead] = of(events, "rank-dead")
     assert dead["rank"] == 1
@@ -187,6 +209,7 @@ def test_a_stopped_worker_is_fenced_when_it_wakes(broker: EmbeddedBroker, tmp_pa
     wait_for("rank 2 to train 4 epochs", lambda: trained_epochs(ledger, 2) >= 4)
     sleeper = job.procs["rank-2"]
     sleeper.send_signal(signal.SIGSTOP)
+    FAULTS["worker SIGSTOP"] += 1
     try:
         wait_for("the death", lambda: bool(of(job.events(), "rank-dead")))
     finally:
@@ -208,6 +231,7 @@ def test_a_killed_coordinator_restarted_resumes_from_its_snapshot(
     first = job.procs["coordinator"]
     first.send_signal(signal.SIGKILL)
     first.wait(10)
+    FAULTS["coordinator SIGKILL mid-epoch"] += 1
     # the workers train on inside their window while the new process starts (seconds)
     job.respawn("coordinator", "coordinator-2")
     events = finish(job, failed={"coordinator": -signal.SIGKILL})
@@ -231,6 +255,7 @@ def test_a_standby_takes_over_and_the_stopped_leader_is_deposed(
     wait_for("rank 0 to train 4 epochs", lambda: trained_epochs(ledger, 0) >= 4)
     leader = job.procs["coordinator"]
     leader.send_signal(signal.SIGSTOP)
+    FAULTS["coordinator SIGSTOP (standby takes over)"] += 1
     try:
         wait_for("the standby to resume", lambda: "resuming job" in job.log("standby"))
     finally:
@@ -242,19 +267,19 @@ def test_a_standby_takes_over_and_the_stopped_leader_is_deposed(
     recovered(job, ledger, events, {}, [0, 1])
 
 
-@pytest.mark.parametrize("attempt", REPEAT)
+@pytest.mark.parametrize("attempt", loops(1, 5))
 def test_the_broker_restarted_on_its_store_loses_nothing(broker: EmbeddedBroker,
                                                          tmp_path: Path, attempt: int) -> None:
-    rng = random.Random(f"broker-{attempt}-{time.time_ns()}")
-    seed = rng.randrange(2**32)
-    rng.seed(seed)
+    rng, seed = scenario_rng(f"broker-restart-{attempt}")
+    after = rng.randint(2, 10)
     outage_s = rng.uniform(0.5, 4.0)  # up to twice the heartbeat timeout: silence, no death
-    print(f"broker restart: seed {seed}, outage {outage_s:.2f}s")
+    print(f"broker outage {outage_s:.2f}s after {after} epochs")
     job, ledger = run_job(broker, tmp_path, 2, f"broker-{attempt}",
                           worker_args={0: ["--slowdown", "3"], 1: ["--slowdown", "3"]})
-    wait_for("rank 0 to train 4 epochs", lambda: trained_epochs(ledger, 0) >= 4)
+    wait_for(f"rank 0 to train {after} epochs", lambda: trained_epochs(ledger, 0) >= after)
     port, store = broker.port, broker.store_dir
     broker.stop()
+    FAULTS["broker restart"] += 1
     time.sleep(outage_s)  # the outage itself is the scenario, not a wait for a condition
     again = EmbeddedBroker(BrokerConfig(port=port, store_dir=store))
     again.start()
@@ -266,3 +291,127 @@ def test_the_broker_restarted_on_its_store_loses_nothing(broker: EmbeddedBroker,
         assert "reconnected to NATS" in job.log("rank-0")
     finally:
         again.stop()
+
+
+class Tail:
+    """The job's event records, read incrementally: cheap enough to poll every millisecond."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.pos = path, 0
+        self.events: list[dict[str, Any]] = []
+
+    def poll(self) -> list[dict[str, Any]]:
+        if self.path.exists():
+            with self.path.open("rb") as f:
+                f.seek(self.pos)
+                chunk = f.read()
+            whole = chunk[:chunk.rfind(b"\n") + 1]
+            self.pos += len(whole)
+            self.events += [json.loads(line) for line in whole.splitlines()]
+        return self.events
+
+    def average_in_flight(self) -> int | None:
+        """The round whose SyncNow is out and whose result has not come back, if any."""
+        done = {e["round"] for e in self.poll() if e["event"] in ("averaged", "average-failed")}
+        started = [e["round"] for e in self.events if e["event"] == "average"]
+        return started[-1] if started and started[-1] not in done else None
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["stays-dead", "restarted"])
+@pytest.mark.parametrize("attempt", loops(1, 10))
+def test_sigkill_a_random_worker_at_a_random_moment(broker: EmbeddedBroker, tmp_path: Path,
+                                                    attempt: int, restart: bool) -> None:
+    rng, seed = scenario_rng(f"worker-kill-{restart}-{attempt}")
+    victim, after = rng.randrange(3), rng.randint(1, 12)
+    # a restarted rank must find work left: slower batches make the run outlast its start
+    slow = {r: ["--slowdown", "4"] for r in range(3)} if restart else None
+    job, ledger = run_job(broker, tmp_path, 3, f"rk{int(restart)}-{attempt}", worker_args=slow)
+    wait_for(f"rank {victim} to train {after} epochs",
+             lambda: trained_epochs(ledger, victim) >= after)
+    time.sleep(rng.uniform(0.0, 0.3))  # the random moment inside the epoch, not a wait
+    proc = job.procs[f"rank-{victim}"]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    FAULTS["worker SIGKILL"] += 1
+    if restart:
+        job.respawn(f"rank-{victim}", f"rank-{victim}b")
+        FAULTS["worker restarted"] += 1
+    events = finish(job, failed={f"rank-{victim}": -signal.SIGKILL})
+    assert [d["rank"] for d in of(events, "rank-dead")] == [victim], f"seed {seed}"
+    if restart:
+        assert [e["rank"] for e in of(events, "rank-rejoined")] == [victim], f"seed {seed}"
+    survivors = [0, 1, 2] if restart else [r for r in range(3) if r != victim]
+    recovered(job, ledger, events, {victim: proc.pid}, survivors)
+
+
+@pytest.mark.parametrize("moment", ["mid-epoch", "mid-average"])
+@pytest.mark.parametrize("attempt", loops(1, 5))
+def test_sigkill_the_coordinator_at_a_random_moment_and_restart_it(
+        broker: EmbeddedBroker, tmp_path: Path, attempt: int, moment: str) -> None:
+    rng, seed = scenario_rng(f"coordinator-kill-{moment}-{attempt}")
+    after = rng.randint(2, 10)
+    job, ledger = run_job(broker, tmp_path, 2, f"ck-{moment}-{attempt}",
+                          worker_args={0: ["--slowdown", "3"], 1: ["--slowdown", "3"]})
+    wait_for(f"rank 0 to train {after} epochs", lambda: trained_epochs(ledger, 0) >= after)
+    first = job.procs["coordinator"]
+    if moment == "mid-average":
+        tail = Tail(job.tmp / "events.jsonl")
+        deadline = time.monotonic() + 60
+        while (in_flight := tail.average_in_flight()) is None:
+            assert time.monotonic() < deadline, f"seed {seed}: never saw an average in flight"
+            time.sleep(0.001)
+        print(f"killing the coordinator while round {in_flight} is in flight")
+    else:
+        time.sleep(rng.uniform(0.0, 0.3))  # the random moment, not a wait
+    first.send_signal(signal.SIGKILL)
+    first.wait(10)
+    FAULTS[f"coordinator SIGKILL {moment}"] += 1
+    job.respawn("coordinator", "coordinator-2")
+    events = finish(job, failed={"coordinator": -signal.SIGKILL})
+    [resumed] = of(events, "coordinator-resumed")
+    assert resumed["generation"] == resumed["from_generation"] + 1
+    assert not of(events, "rank-dead"), f"seed {seed}: a rank died while it was away"
+    recovered(job, ledger, events, {}, [0, 1])
+
+
+@pytest.mark.parametrize("attempt", REPEAT)
+def test_two_workers_killed_at_once(broker: EmbeddedBroker, tmp_path: Path,
+                                    attempt: int) -> None:
+    job, ledger = run_job(broker, tmp_path, 4, f"two-{attempt}")
+    wait_for("rank 1 to train 5 epochs", lambda: trained_epochs(ledger, 1) >= 5)
+    victims = [job.procs["rank-1"], job.procs["rank-2"]]
+    for p in victims:
+        p.send_signal(signal.SIGKILL)
+    FAULTS["worker SIGKILL"] += 2
+    events = finish(job, failed={"rank-1": -signal.SIGKILL, "rank-2": -signal.SIGKILL})
+    assert sorted(d["rank"] for d in of(events, "rank-dead")) == [1, 2]
+    assert of(events, "session-formed")[-1]["members"] == [0, 3]
+    recovered(job, ledger, events, {1: victims[0].pid, 2: victims[1].pid}, [0, 3])
+
+
+@pytest.mark.parametrize("attempt", REPEAT)
+def test_the_elected_id_generator_killed_during_the_rebuild(broker: EmbeddedBroker,
+                                                            tmp_path: Path,
+                                                            attempt: int) -> None:
+    job, ledger = run_job(broker, tmp_path, 4, f"gen-{attempt}")
+    wait_for("rank 3 to train 5 epochs", lambda: trained_epochs(ledger, 3) >= 5)
+    first = job.procs["rank-3"]
+    first.send_signal(signal.SIGKILL)
+    tail = Tail(job.tmp / "events.jsonl")
+    wait_for("the rebuild's id request", lambda: any(
+        e["event"] == "session-requested" and 3 not in e["members"] for e in tail.poll()))
+    generator = next(e["generator"] for e in tail.events
+                     if e["event"] == "session-requested" and 3 not in e["members"])
+    second = job.procs[f"rank-{generator}"]
+    second.send_signal(signal.SIGKILL)
+    FAULTS["worker SIGKILL"] += 1
+    FAULTS["id generator SIGKILL during a rebuild"] += 1
+    events = finish(job, failed={"rank-3": -signal.SIGKILL,
+                                 f"rank-{generator}": -signal.SIGKILL})
+    assert sorted(d["rank"] for d in of(events, "rank-dead")) == sorted([3, generator])
+    later = [e for e in of(events, "session-requested") if generator not in e["members"]]
+    assert later, "no session was requested after the generator died"
+    assert later[-1]["generator"] != generator  # another rank minted the session
+    survivors = [r for r in range(4) if r not in (3, generator)]
+    assert of(events, "session-formed")[-1]["members"] == survivors
+    recovered(job, ledger, events, {3: first.pid, generator: second.pid}, survivors)

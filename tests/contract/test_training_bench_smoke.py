@@ -39,3 +39,12 @@ def test_control_latency_bench(tmp_path: Path) -> None:
     doc = _bench("control_latency", tmp_path, "--rounds", "1")
     assert doc["syncnow_to_all_acks_ms"]["p50"] > 0  # type: ignore[index]
     assert doc["request_reply_rtt_ms"]["idle_p50"] > 0  # type: ignore[index]
+
+
+def test_recovery_bench(tmp_path: Path) -> None:
+    doc = _bench("recovery", tmp_path, "--rounds", "1")
+    measured = doc["measured"]
+    assert set(measured) == set(doc["targets"])  # type: ignore[arg-type]
+    assert all(v > 0 for v in measured.values())  # type: ignore[attr-defined]
+    assert set(doc["train_s_lost_per_failure"]) == {  # type: ignore[arg-type]
+        "worker_kill", "worker_restart", "coordinator_kill"}

@@ -18,6 +18,7 @@ from cluster_sim import Sim
 
 from ddpbus.codecs import messages as m
 from ddpbus.orchestrator.config import schedule_from
+from ddpbus.orchestrator.summary import summarize
 
 BATCH = 8
 DATASET = 2400  # 300 batches per epoch
@@ -38,6 +39,11 @@ def every_batch_once(sim: Sim) -> None:
     want = Counter({(e, b): 1 for e in range(EPOCHS) for b in range(per_epoch)})
     assert sim.consensus == want
     assert all(not r.unsealed for r in sim.ranks if not r.killed)
+    # the coordinator's own ledger proves the same, from its books alone
+    coverage = summarize(sim.state)["coverage"]
+    assert coverage["exact"], coverage["violations"]
+    assert coverage == {"exact": True, "epochs": EPOCHS, "batches": EPOCHS * per_epoch,
+                        "violations": []}
 
 
 SLOW = (10.0, 15.0, 20.0)  # ~5 s runs: a restart at 3 s finds work left
@@ -309,3 +315,14 @@ def test_silence_while_the_broker_was_away_is_no_death(restored: bool) -> None:
         assert all(now - r.last_heard <= 0.0 for r in state.alive)
     else:  # the same silence without the shell's word is taken for deaths
         assert "rank-dead" in records
+
+
+def test_the_ledger_names_an_epoch_that_was_not_covered() -> None:
+    sim = make("cadence")
+    with pytest.raises(AssertionError, match="no Finish"):
+        sim.run(until=0.5)
+    coverage = summarize(sim.state)["coverage"]
+    assert not coverage["exact"]
+    assert [v["epoch"] for v in coverage["violations"]] == list(range(EPOCHS))[
+        EPOCHS - len(coverage["violations"]):]
+    assert all(v["trained"] < v["batches"] for v in coverage["violations"])

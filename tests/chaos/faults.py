@@ -1,0 +1,28 @@
+"""Chaos-suite helpers: how many runs of each fault were made (printed at the end), and a
+seeded random source per scenario whose seed is printed, so a failure can be replayed
+(``DDPBUS_CHAOS_SEED=<seed>``)."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections import Counter
+
+import pytest
+
+FAULTS: Counter[str] = Counter()
+
+
+def loops(default: int, full: int) -> list[object]:
+    """Run indices for a looped scenario: ``default`` runs, or ``full`` with
+    DDPBUS_CHAOS_FULL=1 (those beyond the default are marked slow)."""
+    n = full if os.environ.get("DDPBUS_CHAOS_FULL") == "1" else default
+    return [i if i < default else pytest.param(i, marks=pytest.mark.slow) for i in range(n)]
+
+
+def scenario_rng(name: str) -> tuple[random.Random, int]:
+    given = os.environ.get("DDPBUS_CHAOS_SEED")
+    seed = int(given) if given else random.Random(f"{name}-{time.time_ns()}").randrange(2**32)
+    print(f"chaos {name}: seed {seed} (replay: DDPBUS_CHAOS_SEED={seed})")
+    return random.Random(seed), seed
