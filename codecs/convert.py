@@ -546,12 +546,14 @@ def _eval_bcast_from_wire(w: Any) -> m.EvalBroadcast:
 
 def _save_consensus_to_wire(x: m.SaveConsensusModel) -> pb.ControlMsg:
     _check_target("SaveConsensusModel", x.target_rank, encoding=True)
-    return _C(save_consensus_model=_C.SaveConsensusModel(target_rank=x.target_rank))
+    return _C(save_consensus_model=_C.SaveConsensusModel(
+        target_rank=x.target_rank, version=x.version, bundle_meta=x.bundle_meta))
 
 
 def _save_consensus_from_wire(w: Any) -> m.SaveConsensusModel:
     _check_target("SaveConsensusModel", w.target_rank, encoding=False)
-    return m.SaveConsensusModel(target_rank=w.target_rank)
+    return m.SaveConsensusModel(target_rank=w.target_rank, version=w.version,
+                                bundle_meta=w.bundle_meta)
 
 
 def _coord_hb_to_wire(_: m.CoordHeartbeat) -> pb.ControlMsg:

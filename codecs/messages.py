@@ -441,7 +441,12 @@ class EvalBroadcast:
 @_fast_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SaveConsensusModel:
+    """Save the consensus model; with ``version`` > 0 also write resume bundle ``version``
+    (parameters + optimizer) described by ``bundle_meta`` (the coordinator's meta, JSON)."""
+
     target_rank: int
+    version: int = 0
+    bundle_meta: str = ""
 
 
 @_fast_init

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator import membership
+from ddpbus.orchestrator import membership, resume
 from ddpbus.orchestrator.state import (
     Command,
     PendingCheckpoint,
@@ -87,6 +87,11 @@ def checkpoint_due(s: State, epoch: int) -> bool:
         m.IntentKind.CHECKPOINT_NOW in s.intents)
 
 
+def bundle_due(s: State, epoch: int) -> bool:
+    every = s.schedule.bundle_every
+    return checkpoint_due(s, epoch) or (every > 0 and (epoch + 1) % every == 0)
+
+
 def _closing_epochs(s: State) -> list[int]:
     """Epochs whose last batch is trained but whose boundary has not been served."""
     return [e for e, p in sorted(s.pools.items()) if p.trained and not p.boundary_done]
@@ -123,6 +128,8 @@ def boundaries(s: State, now: float, out: Out) -> None:
             dispatch_eval(s, epoch, out)
         if checkpoint_due(s, epoch):
             _dispatch_checkpoint(s, epoch + 1, out)
+        if bundle_due(s, epoch):
+            _dispatch_bundle(s, epoch, out)
         s.intents.clear()
         out.append(Record("epoch-boundary", {"epoch": epoch, "global_step": s.global_step}))
 
@@ -145,7 +152,17 @@ def _dispatch_checkpoint(s: State, version: int, out: Out) -> None:
     if s.config.has_checkpoint_fn:
         s.checkpoints[version] = PendingCheckpoint(version=version, target=target)
         out.append(Send(m.Checkpoint(version=version, target_rank=target), rank=target))
-    out.append(Send(m.SaveConsensusModel(target_rank=target), rank=target))
+
+
+def _dispatch_bundle(s: State, epoch: int, out: Out) -> None:
+    """The checkpoint rank saves the consensus and writes resume bundle ``epoch + 1``."""
+    target = s.roles.checkpoint
+    if not s.ranks[target].alive:
+        target = min(r.rank for r in s.alive)
+    out.append(Send(m.SaveConsensusModel(target_rank=target, version=epoch + 1,
+                                         bundle_meta=resume.meta_json(s, epoch)), rank=target))
+    out.append(Record("bundle", {"version": epoch + 1, "rank": target,
+                                 "global_step": s.global_step}))
 
 
 def retry_checkpoints(s: State, out: Out) -> None:

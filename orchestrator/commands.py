@@ -24,13 +24,13 @@ ENV_VARS: dict[str, dict[str, str]] = {
         "job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL", "key_file": "DDPBUS_KEY_FILE",
         "world_size": "DDPBUS_WORLD_SIZE", "policy": "DDPBUS_POLICY",
         "backend": "DDPBUS_BACKEND", "summary": "DDPBUS_SUMMARY", "events": "DDPBUS_EVENTS",
-        "spec": "DDPBUS_SPEC", "lease_ttl": "DDPBUS_LEASE_TTL",
+        "spec": "DDPBUS_SPEC", "lease_ttl": "DDPBUS_LEASE_TTL", "resume": "DDPBUS_RESUME",
     },
     "worker": {
         "job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL", "key_file": "DDPBUS_KEY_FILE",
         "world_size": "DDPBUS_WORLD_SIZE", "rank": "DDPBUS_RANK", "out": "DDPBUS_OUT",
         "device": "DDPBUS_DEVICE", "torch_threads": "DDPBUS_TORCH_THREADS",
-        "spec": "DDPBUS_SPEC",
+        "spec": "DDPBUS_SPEC", "bundle_dir": "DDPBUS_BUNDLE_DIR",
     },
     "run": {"workers": "DDPBUS_WORKERS", "out": "DDPBUS_OUT"},
 }
@@ -102,6 +102,10 @@ def add_parsers(sub: Any) -> None:
                        "third of it)")
     coord.add_argument("--wire-json", action="store_true",
                        help="publish proto3 JSON payloads (readable in `nats sub`)")
+    coord.add_argument("--resume", metavar="SOURCE", help="start from a resume bundle (env "
+                       "DDPBUS_RESUME): a bundle directory (or a --bundle-dir / `ddpbus run` "
+                       "directory holding one), or the name of an earlier job on this broker "
+                       "(its latest bundle); ignored once this job has a snapshot of its own")
     coord.add_argument("spec", nargs="?", help="training spec: file.py:name or module:name "
                        "(env DDPBUS_SPEC)")
 
@@ -120,6 +124,9 @@ def add_parsers(sub: Any) -> None:
     worker.add_argument("--final-state", type=Path, help="on Shutdown, write this rank's "
                         "final parameters to this safetensors file")
     worker.add_argument("--wire-json", action="store_true", help="publish proto3 JSON")
+    worker.add_argument("--bundle-dir", type=Path, help="write resume bundles to this "
+                        "directory (a volume every rank and the coordinator share) instead "
+                        "of the job's Object Store (env DDPBUS_BUNDLE_DIR)")
     worker.add_argument("spec", nargs="?", help="training spec (env DDPBUS_SPEC)")
 
     run = sub.add_parser("run", help="train a spec on this machine (broker + coordinator + "
@@ -141,6 +148,8 @@ def add_parsers(sub: Any) -> None:
                      "(default: cores / workers)")
     run.add_argument("--no-progress", action="store_true", help="no live progress display")
     run.add_argument("--wire-json", action="store_true", help="proto3 JSON payloads")
+    run.add_argument("--resume", metavar="DIR", help="continue from the latest resume bundle "
+                     "of an earlier run's directory (or a bundle directory)")
 
 
 # ------------------------------------------------------------------ helpers
@@ -203,7 +212,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
     settings = CoordinatorSettings(job=args.job, nats_url=args.nats, key=key,
                                    summary_path=args.summary, events_path=args.events,
                                    wire_json=args.wire_json, standby=args.standby,
-                                   lease_ttl=args.lease_ttl or 5.0)
+                                   lease_ttl=args.lease_ttl or 5.0, resume=args.resume)
     return asyncio.run(Coordinator(settings, config).run())
 
 
@@ -224,7 +233,8 @@ def run_worker(args: argparse.Namespace) -> int:
                               nats_url=args.nats, key=key, out_dir=args.out,
                               final_state=args.final_state, device=args.device or "auto",
                               slowdown=args.slowdown, torch_threads=args.torch_threads,
-                              wire_json=args.wire_json, exit_grace=WORKER_EXIT_GRACE)
+                              wire_json=args.wire_json, exit_grace=WORKER_EXIT_GRACE,
+                              bundle_dir=args.bundle_dir)
     return asyncio.run(WorkerAgent(settings, spec).run())
 
 

@@ -63,6 +63,7 @@ class Schedule:
     # callbacks (C.10)
     eval_every: int = 1  # epochs between evals when the spec has an eval function; 0 = never
     checkpoint_every: int = 0  # epochs between checkpoints; 0 = only the final one
+    bundle_every: int = 1  # epochs between resume bundles; 0 = only with checkpoints
     callback_rank: int | None = None  # None: the fastest rank (sticky)
     param_norm_every: int = 10  # Batch.param_norm every N local steps; 0 = never
 
@@ -216,6 +217,7 @@ _PARSERS: Final[dict[str, Callable[[Any], Any]]] = {
     "min_world": _int,
     "eval_every": _int,
     "checkpoint_every": _int,
+    "bundle_every": _int,
     "callback_rank": _optional(_int),
     "param_norm_every": _int,
 }
@@ -249,6 +251,7 @@ def _check(s: Schedule) -> None:
         (s.min_world >= 1, "min_world must be >= 1"),
         (s.eval_every >= 0, "eval_every must be >= 0"),
         (s.checkpoint_every >= 0, "checkpoint_every must be >= 0"),
+        (s.bundle_every >= 0, "bundle_every must be >= 0"),
         (s.callback_rank is None or s.callback_rank >= 0, "callback_rank must be >= 0"),
         (s.param_norm_every >= 0, "param_norm_every must be >= 0"),
     ]

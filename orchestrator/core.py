@@ -16,6 +16,7 @@ from ddpbus.codecs import messages as m
 from ddpbus.orchestrator import callbacks, membership, window
 from ddpbus.orchestrator.elche import ElChe
 from ddpbus.orchestrator.guard import TrendGuard
+from ddpbus.orchestrator.resume import seed as seed_from_bundle
 from ddpbus.orchestrator.state import (
     BusRestored,
     Command,
@@ -42,8 +43,10 @@ def initial_state(config: CoreConfig, now: float) -> State:
                   growth=not s.is_sync, relax_up=s.effective_relax_up)
     guard = TrendGuard(threshold=s.divergence_threshold, enabled=s.divergence_guard,
                        sync=s.is_sync)
-    return State(config=config, ranks=[RankState(rank=r) for r in range(config.world_size)],
-                 elche=elche, guard=guard, created_at=now)
+    state = State(config=config, ranks=[RankState(rank=r) for r in range(config.world_size)],
+                  elche=elche, guard=guard, created_at=now)
+    seed_from_bundle(state)
+    return state
 
 
 def resume(state: State, coordinator_generation: int, now: float) -> State:

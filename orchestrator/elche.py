@@ -16,7 +16,7 @@ import math
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 TRUST_WINDOW: Final = 5
 MISS_LIMIT: Final = 5
@@ -178,6 +178,42 @@ class ElChe:
             self._readings.setdefault(r, deque(maxlen=TRUST_WINDOW))
             self._misses.setdefault(r, 0)
         self._recompute(first=False)
+
+    # ---------------------------------------------------------------- bundles
+
+    def export_state(self) -> dict[str, Any]:
+        """What a resume bundle keeps (reference ``ElCheState``): anchor, anchor rank,
+        per-rank smoothed ms/batch and counts, calibrations, growth latch. Knobs are not
+        kept: the resumed run supplies them."""
+        return {"anchor": self.anchor, "anchor_rank": self.anchor_rank,
+                "calibrations": self.calibrations, "growth_latched": self.growth_latched,
+                "stable_streak": self.stable_streak,
+                "smoothed_ms": {str(r): self.smoothed_ms(r) for r in self.ranks},
+                "counts": {str(r): c for r, c in self.counts.items()}}
+
+    def restore_state(self, saved: Mapping[str, Any]) -> bool:
+        """Continue from :meth:`export_state` (no re-calibration): each rank's trust window
+        is seeded with one sample, the saved mean. The per-rank part needs the same ranks;
+        with another world size only the anchor carries over. Returns whether it all did."""
+        self.anchor = min(self.max_anchor, max(1, int(saved["anchor"])))
+        ms = {int(r): v for r, v in dict(saved.get("smoothed_ms", {})).items()}
+        counts = {int(r): int(c) for r, c in dict(saved.get("counts", {})).items()}
+        if set(ms) != set(self.ranks):
+            self.counts = {r: self.anchor for r in self.ranks}
+            self._apply_cap()
+            return False
+        for r, value in ms.items():
+            self._readings[r].clear()
+            if value is not None and value > 0:
+                self._readings[r].append(float(value))
+        self.calibrations = int(saved.get("calibrations", 0))
+        anchor_rank = saved.get("anchor_rank")
+        self.anchor_rank = int(anchor_rank) if anchor_rank in self.ranks else None
+        self.growth_latched = bool(saved.get("growth_latched", False))
+        self.stable_streak = int(saved.get("stable_streak", 0))
+        self.counts = {r: max(1, counts.get(r, self.anchor)) for r in self.ranks}
+        self._apply_cap()
+        return True
 
     # -------------------------------------------------------------------- report
 

@@ -28,7 +28,7 @@ from typing import IO, Any
 from rich.console import Console
 
 from ddpbus.codecs.errors import ConfigError
-from ddpbus.orchestrator import bus
+from ddpbus.orchestrator import bundles, bus
 from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
 from ddpbus.orchestrator.commands import load_schedule, schedule_overrides
 from ddpbus.orchestrator.progress import RunMonitor, final_table
@@ -55,6 +55,15 @@ def parse_slowdowns(items: list[str], workers: int) -> dict[int, float]:
     return out
 
 
+def _resume_dir(source: str | None) -> str | None:
+    """``ddpbus run --resume DIR``: the embedded broker is new each run, so the bundle
+    comes from a directory; checked before anything starts."""
+    if source is None:
+        return None
+    bundles.read_directory(Path(source))  # raises a clear BundleError if there is none
+    return str(Path(source).resolve())
+
+
 @dataclass
 class LocalRun:
     spec_ref: str
@@ -67,6 +76,7 @@ class LocalRun:
     torch_threads: int = 1
     progress: bool = True
     wire_json: bool = False
+    resume: str | None = None  # a directory holding the bundle to continue from
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     _logs: list[IO[bytes]] = field(default_factory=list)
     _stop: bool = False
@@ -84,7 +94,7 @@ class LocalRun:
                    out_dir=args.out or Path("ddpbus-runs") / job, job=job,
                    summary_path=args.summary, torch_threads=threads,
                    progress=not args.no_progress and sys.stderr.isatty(),
-                   wire_json=args.wire_json)
+                   wire_json=args.wire_json, resume=_resume_dir(args.resume))
 
     # --------------------------------------------------------------- processes
 
@@ -113,9 +123,11 @@ class LocalRun:
         self._spawn("coordinator", ["coordinator", *common, *self._flags(),
                                     "--summary", str(self.out_dir / "summary.json"),
                                     "--events", str(self.out_dir / "events.jsonl"),
+                                    *(["--resume", self.resume] if self.resume else []),
                                     self.spec_ref])
         for rank in range(self.workers):
             argv = ["worker", *common, "--rank", str(rank), "--out", str(self.out_dir),
+                    "--bundle-dir", str(self.out_dir / "bundles"),
                     "--torch-threads", str(self.torch_threads)]
             if rank in self.slowdowns:
                 argv += ["--slowdown", str(self.slowdowns[rank])]

@@ -51,6 +51,11 @@ def cohort_problem(s: State, hello: m.Hello) -> str | None:
     if hello.dataset_size < batch:
         return (f"rank {hello.rank}'s dataset has {hello.dataset_size} samples, fewer than "
                 f"one batch of {batch}")
+    resumed = s.config.resume
+    if resumed is not None and resumed.dataset_size and hello.dataset_size != \
+            resumed.dataset_size:
+        return (f"rank {hello.rank}'s dataset has {hello.dataset_size} samples, the resumed "
+                f"bundle's run {resumed.dataset_size} (its coverage would not apply)")
     if s.dataset_size and hello.dataset_size != s.dataset_size:
         return (f"rank {hello.rank}'s dataset has {hello.dataset_size} samples, the cohort's "
                 f"{s.dataset_size}")

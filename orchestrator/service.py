@@ -42,7 +42,8 @@ from ddpbus.codecs import DecodeError, Decoder, Encoder, Outbound
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
-from ddpbus.orchestrator import bus, snapshot
+from ddpbus.orchestrator import bundles, bus, snapshot
+from ddpbus.orchestrator import resume as bundle_resume
 from ddpbus.orchestrator.config import describe
 from ddpbus.orchestrator.core import initial_state, resume, transition
 from ddpbus.orchestrator.lease import Lease, LeaseLost
@@ -88,6 +89,7 @@ class CoordinatorSettings:
     connect_deadline: timedelta = timedelta(seconds=30)
     standby: bool = False  # wait for the lease rather than fail
     lease_ttl: float = 5.0
+    resume: str | None = None  # --resume SOURCE: a bundle directory or an earlier job
 
 
 EXIT_DEPOSED = 3
@@ -180,9 +182,14 @@ class Coordinator:
             self._events_file = s.events_path.open("a", encoding="utf-8")
         snap = await self._load_snapshot(js, kv)
         if snap is None:
+            if s.resume is not None:
+                await self._adopt_bundle(js, kv, s.resume)
             self.state = initial_state(self.config, self.clock())
             await kv.put(CONFIG_KEY, json.dumps(describe(self.config.schedule)).encode())
         elif snap.state.phase is not Phase.DONE:
+            if s.resume is not None:
+                log.info("--resume %s was applied when job %s began; continuing from its "
+                         "snapshot", s.resume, s.job)
             self._restore(snap)
             await self._rewind_consumer(js, snap.stream_seq + 1)
         return snap
@@ -252,6 +259,22 @@ class Coordinator:
             raise JobInUse(f"job {self.settings.job!r} runs with world size "
                            f"{snap.state.config.world_size}, not {self.config.world_size}")
         return snap
+
+    async def _adopt_bundle(self, js: Any, kv: Any, source: str) -> None:
+        """``--resume``: check the bundle against this run, seed the core from its meta, and
+        publish it under ``bundle.resume`` for the ranks to load."""
+        manifest = await bundles.resolve(js, source)
+        sched = self.config.schedule
+        bundles.check_fits(manifest, seed=sched.seed, batch_size=sched.batch_size,
+                           epochs=sched.epochs)
+        point = bundle_resume.point(manifest.describe(), manifest.version, manifest.meta)
+        self.config = dataclasses.replace(self.config, resume=point)
+        await kv.put(bundles.RESUME_KEY, manifest.to_json())
+        log.warning("job %s resumes from %s", self.settings.job, manifest.describe())
+        self._record(Record("resumed-from-bundle", {
+            "source": source, "job": manifest.job, "version": manifest.version,
+            "epoch": point.epoch, "global_step": point.global_step,
+            "world_size": point.world_size}))
 
     def _restore(self, snap: snapshot.Snapshot) -> None:
         now = self.clock()

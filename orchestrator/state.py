@@ -119,6 +119,24 @@ class Phase(enum.Enum):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ResumePoint:
+    """Where a resumed run starts: the meta record of the bundle it loads (see
+    :mod:`ddpbus.orchestrator.resume`)."""
+
+    source: str  # the bundle, as a person would name it
+    version: int
+    epoch: int  # the first epoch to train (every earlier one is in the parameters)
+    global_step: int
+    rounds: int
+    world_size: int
+    dataset_size: int
+    elche: dict[str, Any]
+    divergence_history: tuple[float, ...]
+    coverage: tuple[dict[str, Any], ...]  # the ledger of every epoch before ``epoch``
+    eval_history: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class CoreConfig:
     schedule: Schedule
     world_size: int
@@ -129,6 +147,7 @@ class CoreConfig:
     formation_timeout_s: float = 300.0
     exit_timeout_s: float = 30.0
     rendezvous_timeout_s: float = 5.0  # per id-generator candidate (D.3)
+    resume: ResumePoint | None = None  # a run continued from a bundle
 
 
 @dataclass(slots=True)

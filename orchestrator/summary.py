@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ddpbus.orchestrator import resume
 from ddpbus.orchestrator.config import describe
 from ddpbus.orchestrator.state import State
 
@@ -25,12 +26,14 @@ def _per_rank(s: State, name: str) -> dict[str, float]:
 def _coverage(s: State) -> dict[str, Any]:
     """Every planned epoch's batches in the consensus exactly once, from the coordinator's
     ledger of chunks (assignments), epoch by epoch."""
-    epochs = [s.pools[e].ledger() if e in s.pools else
-              {"epoch": e, "batches": s.total_batches, "trained": 0, "exact": False}
-              for e in range(s.schedule.epochs)] if s.total_batches else []
+    prior = resume.ledgers(s)  # epochs trained before a resume, from the bundle's proof
+    epochs = prior + [s.pools[e].ledger() if e in s.pools else
+                      {"epoch": e, "batches": s.total_batches, "trained": 0, "exact": False}
+                      for e in range(len(prior), s.schedule.epochs)] if s.total_batches else []
     return {"exact": bool(epochs) and all(e["exact"] for e in epochs),
             "epochs": len(epochs),
             "batches": sum(int(e["trained"]) for e in epochs),
+            "resumed_epochs": len(prior),
             "violations": [e for e in epochs if not e["exact"]]}
 
 
@@ -69,5 +72,8 @@ def summarize(s: State) -> dict[str, Any]:
         "batches_per_epoch": s.total_batches,
         "refused": dict(s.refusals),
         "coverage": _coverage(s),
+        "resumed_from": None if (r := s.config.resume) is None else {
+            "source": r.source, "version": r.version, "epoch": r.epoch,
+            "global_step": r.global_step},
         "schedule": describe(s.schedule),
     }

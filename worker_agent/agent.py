@@ -11,6 +11,7 @@ that fails decoding, signing or fencing is counted, logged once per reason, and 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import faulthandler
 import hashlib
@@ -23,6 +24,7 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 from nats.aio.client import Client
@@ -35,8 +37,9 @@ from ddpbus.codecs import DecodeError, Decoder, Encoder
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import ConfigError, DdpbusError
-from ddpbus.orchestrator import bus
+from ddpbus.orchestrator import bundles, bus
 from ddpbus.orchestrator.provision import JobStorage, consumer_configs
+from ddpbus.worker_agent import checkpoint
 from ddpbus.worker_agent.rendezvous import NatsKVStore
 from ddpbus.worker_agent.spec import TrainSpec
 from ddpbus.worker_agent.trainer import Outcome, Trainer, TrainerSettings
@@ -62,6 +65,8 @@ class WorkerSettings:
     join_timeout: timedelta = timedelta(seconds=300)
     heartbeat_interval: timedelta = timedelta(seconds=1)
     exit_grace: timedelta | None = None  # the CLI's process: at most this long to exit
+    bundle_dir: Path | None = None  # resume bundles here (a shared volume), not the Object Store
+    bundle_timeout: timedelta = timedelta(seconds=120)  # to store the last bundle before exit
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -103,6 +108,7 @@ class WorkerAgent:
         self.resume_seq = 0  # this rank's consumer had acked this far: a restart
         self._bus_down = False
         self.reader: bus.StreamReader | None = None
+        self._bundles: list[concurrent.futures.Future[None]] = []  # bundle writes in flight
 
     # ------------------------------------------------------------------ entry
 
@@ -114,7 +120,8 @@ class WorkerAgent:
         torch.manual_seed(self.spec.schedule().seed)  # same initial weights everywhere
         trainer = Trainer(self.spec, TrainerSettings(
             rank=s.rank, device=device, store_factory=self._store, out_dir=s.out_dir,
-            final_state=s.final_state, slowdown=s.slowdown), self._outbox_threadsafe)
+            final_state=s.final_state, slowdown=s.slowdown, bundle_sink=self._bundle_sink),
+            self._outbox_threadsafe)
         self.trainer = trainer
         self.loop = asyncio.get_running_loop()
         nc = await bus.connect(s.nats_url, name=f"ddpbus-{s.job}-rank-{s.rank}",
@@ -147,7 +154,7 @@ class WorkerAgent:
         self.decoder = Decoder(job=s.job, key=s.key,
                                generation_floor=lambda sender: self._floor
                                if sender == sj.COORDINATOR else 0)
-        self.nc, self.publisher = nc, bus.Publisher(js)
+        self.nc, self.js, self.publisher = nc, js, bus.Publisher(js)
         self._admitted = self.loop.create_future()
         self._done = self.loop.create_future()
         reader = bus.StreamReader(nc, sj.stream_name(s.job), sj.rank_consumer(s.rank),
@@ -168,7 +175,11 @@ class WorkerAgent:
 
     async def _lifecycle(self, trainer: Trainer, device: torch.device) -> int:
         s = self.settings
-        loaded = trainer.load_consensus()
+        # a restarted incarnation continues from its run's latest bundle (on any host);
+        # loaded once admitted, after the run's settings scaled the learning rate
+        own = await self._find_bundle(bundles.LATEST_KEY) if self.resume_seq else None
+        loaded = int(own.meta.get("global_step", 0)) if own is not None else (
+            trainer.load_consensus())
         hello = m.Hello(rank=s.rank, generation=self.generation, host=socket.gethostname(),
                         device=str(device), model_signature=model_signature(trainer.model),
                         world_size=s.world_size, pid=os.getpid(),
@@ -187,6 +198,8 @@ class WorkerAgent:
         # beacons start once admitted: before that the coordinator does not know this rank
         self._tasks.append(asyncio.create_task(self._beacon(), name="heartbeat"))
         trainer.configure(accept.run, accept.world_size)
+        if not await self._load_bundle(trainer, own):
+            return EXIT_FAILED
         self._coordinator_timeout = accept.run.coordinator_timeout_s
         trainer.on_done = self._trainer_done
         trainer.start()
@@ -201,6 +214,7 @@ class WorkerAgent:
             # past the grace every thread's stack goes to stderr and the process exits 1
             faulthandler.dump_traceback_later(s.exit_grace.total_seconds(), exit=True)
         trainer.join(timeout=30)
+        stored = await self._settle_bundles()
         if outcome.clean:
             self._send(m.Exiting(rank=s.rank))
         flushed = await self.publisher.flush(30.0)
@@ -208,7 +222,74 @@ class WorkerAgent:
                  outcome.reason)
         if not flushed:
             log.error("rank %d: some reports were not stored before exit", s.rank)
-        return EXIT_OK if outcome.clean and flushed else EXIT_FAILED
+        return EXIT_OK if outcome.clean and flushed and stored else EXIT_FAILED
+
+    # ---------------------------------------------------------------- bundles
+
+    async def _find_bundle(self, key: str) -> bundles.Manifest | None:
+        try:
+            return await bus.retry_while_away(lambda: bundles.latest(self.js, self.settings.job,
+                                                                     key), deadline=60.0)
+        except bundles.BundleError as exc:
+            log.warning("rank %d: ignoring %s: %s", self.rank, key, exc)
+            return None
+
+    async def _load_bundle(self, trainer: Trainer, own: bundles.Manifest | None) -> bool:
+        """Load this run's latest bundle (a restart) or the bundle the run resumes from.
+        A resumed run's bundle that cannot be loaded is fatal (training from anything else
+        would break the coverage proof); a restart's own bundle falls back to the consensus
+        of the next average."""
+        manifest, required = own, False
+        if manifest is None:
+            manifest, required = await self._find_bundle(bundles.RESUME_KEY), True
+        if manifest is None:
+            return True
+        try:
+            blobs = await bus.retry_while_away(lambda: bundles.read_blobs(self.js, manifest),
+                                               deadline=120.0)
+            await asyncio.to_thread(trainer.load_bundle, blobs, manifest)
+        except (bundles.BundleError, checkpoint.CheckpointError) as exc:
+            if required:
+                log.error("rank %d: cannot load the bundle this run resumes from: %s",  # noqa: TRY400
+                          self.rank, exc)
+                return False
+            log.warning("rank %d: not loading %s (%s); the next average hands this rank the "
+                        "consensus", self.rank, manifest.describe(), exc)
+            return True
+        log.info("rank %d: loaded %s", self.rank, manifest.describe())
+        return True
+
+    def _bundle_sink(self, version: int, blobs: dict[str, bytes], meta: dict[str, Any]
+                     ) -> None:
+        """From the training thread: store bundle ``version`` in the background."""
+        self._bundles.append(asyncio.run_coroutine_threadsafe(
+            self._store_bundle(version, blobs, meta), self.loop))
+
+    async def _store_bundle(self, version: int, blobs: dict[str, bytes],
+                            meta: dict[str, Any]) -> None:
+        s = self.settings
+        manifest = await bus.retry_while_away(lambda: bundles.write(
+            self.js, s.job, version, blobs, meta, directory=s.bundle_dir))
+        log.info("rank %d: stored %s", s.rank, manifest.describe())
+
+    async def _settle_bundles(self) -> bool:
+        """Wait for bundle writes in flight (the final one must land before exit)."""
+        pending = [asyncio.wrap_future(f) for f in self._bundles]
+        if not pending:
+            return True
+        done, late = await asyncio.wait(pending,
+                                        timeout=self.settings.bundle_timeout.total_seconds())
+        ok = not late
+        for f in late:
+            f.cancel()
+        for f in done:
+            if (exc := f.exception()) is not None:
+                log.error("rank %d: a resume bundle was not stored: %s", self.rank, exc)
+                ok = False
+        if late:
+            log.error("rank %d: %d resume bundle(s) not stored within %s", self.rank,
+                      len(late), self.settings.bundle_timeout)
+        return ok
 
     def _done_future(self) -> asyncio.Future[Outcome]:
         if self._done is None:

@@ -9,9 +9,11 @@ failing user callback is reported with its error; it never ends the rank.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -124,17 +126,42 @@ def _meta(trainer: Trainer, **extra: Any) -> dict[str, Any]:
 
 
 def save_consensus(trainer: Trainer, msg: m.SaveConsensusModel) -> None:
+    """Right after an average: the model is the consensus. Write ``consensus.safetensors``
+    (with ``--out``) and, for ``version`` > 0, hand resume bundle ``version`` to the agent:
+    the blobs are copied here, on the training thread (so they are this consensus), and
+    stored in the background while training goes on."""
     if not _targeted(trainer, msg.target_rank, "SaveConsensusModel"):
         return
     out = trainer.settings.out_dir
-    if out is None:
+    sink = trainer.settings.bundle_sink
+    if out is None and (msg.version == 0 or sink is None):
         log.error("rank %d: SaveConsensusModel but this rank has no --out directory",
                   trainer.rank)
         return
     with _Timed(trainer):
-        path = out / "consensus.safetensors"
-        checkpoint.save_model(path, trainer.model, _meta(trainer, kind="consensus"))
-    log.info("rank %d: consensus model saved to %s", trainer.rank, path)
+        if out is not None:
+            path = out / "consensus.safetensors"
+            checkpoint.save_model(path, trainer.model, _meta(trainer, kind="consensus"))
+            log.info("rank %d: consensus model saved to %s", trainer.rank, path)
+        if msg.version > 0 and sink is not None:
+            _hand_bundle(trainer, msg, sink)
+
+
+def _hand_bundle(trainer: Trainer, msg: m.SaveConsensusModel,
+                 sink: Callable[[int, dict[str, bytes], dict[str, Any]], None]) -> None:
+    try:
+        meta = json.loads(msg.bundle_meta)
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict):
+        log.error("rank %d: bundle v%d refused (nothing stored): its meta is not a JSON "
+                  "record", trainer.rank, msg.version)
+        return
+    meta["saved_by"] = trainer.rank
+    tag = {"kind": "bundle", "version": msg.version, "global_step": meta.get("global_step")}
+    blobs = {"model": checkpoint.model_bytes(trainer.model, tag),
+             "optim": checkpoint.optimizer_bytes(trainer.optimizer, tag)}
+    sink(msg.version, blobs, meta)
 
 
 def _save_rank(trainer: Trainer, reason: m.SaveReason) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -41,6 +41,9 @@ from ddpbus.worker_agent.spec import (
     bind_context,
     bind_ledger,
 )
+
+if TYPE_CHECKING:
+    from ddpbus.orchestrator.bundles import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,8 @@ class TrainerSettings:
     out_dir: Path | None = None
     final_state: Path | None = None
     slowdown: float = 1.0  # simulate a slower device: every batch takes this many times longer
+    # hands a resume bundle (version, {"model", "optim"} blobs, meta) to the agent to store
+    bundle_sink: Callable[[int, dict[str, bytes], dict[str, Any]], None] | None = None
 
 
 @dataclass(slots=True)
@@ -179,6 +184,17 @@ class Trainer(threading.Thread):
         log.info("rank %d: loaded the consensus model of global step %s from %s", self.rank,
                  meta.get("global_step"), path)
         return int(meta.get("global_step") or 0)
+
+    def load_bundle(self, blobs: dict[str, bytes], manifest: Manifest) -> None:
+        """Start from a resume bundle: its parameters, its optimizer state (keeping the
+        learning rates this run's settings gave each group) and its global step."""
+        what = manifest.describe()
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        checkpoint.load_model_bytes(blobs["model"], self.model, what)
+        checkpoint.load_optimizer_bytes(blobs["optim"], self.optimizer, what)
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        self.global_step = self.ctx.global_step = int(manifest.meta.get("global_step", 0))
 
     def outbox(self, msg: m.Message, *, durable: bool = True) -> None:
         """Queue a report; :meth:`release` hands the queue to the agent in order."""

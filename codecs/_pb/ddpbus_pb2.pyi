@@ -949,20 +949,29 @@ class ControlMsg(_message.Message):
 
     @_typing.final
     class SaveConsensusModel(_message.Message):
-        """target_rank = 2^64-1 is reserved and refused."""
+        """target_rank = 2^64-1 is reserved and refused. ddpbus extension: the target writes the
+        resume bundle `version` (consensus parameters + optimizer) with `bundle_meta`, the
+        coordinator's meta record as JSON (schema in subjects.md); version 0 = no bundle.
+        """
 
         DESCRIPTOR: _descriptor.Descriptor
 
         TARGET_RANK_FIELD_NUMBER: _builtins.int
+        VERSION_FIELD_NUMBER: _builtins.int
+        BUNDLE_META_FIELD_NUMBER: _builtins.int
         target_rank: _builtins.int
+        version: _builtins.int
+        bundle_meta: _builtins.str
         def __init__(
             self,
             *,
             target_rank: _builtins.int = ...,
+            version: _builtins.int = ...,
+            bundle_meta: _builtins.str = ...,
         ) -> None: ...
         _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["target_rank", b"target_rank"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["bundle_meta", b"bundle_meta", "target_rank", b"target_rank", "version", b"version"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 

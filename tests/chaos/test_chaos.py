@@ -8,6 +8,7 @@ Each scenario runs once by default; DDPBUS_CHAOS_REPEAT=N repeats it N times.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -24,7 +25,9 @@ from faults import FAULTS, loops, scenario_rng
 from jobs import Job, spec, start_job
 from safetensors.torch import load_file
 
+from ddpbus.orchestrator import bundles
 from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
+from ddpbus.orchestrator.bus import connect
 from ddpbus.worker_agent.data import epoch_permutation
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
@@ -150,11 +153,13 @@ def _no_leftovers() -> Iterator[None]:
 
 
 def run_job(broker: EmbeddedBroker, tmp: Path, workers: int, name: str,
-            worker_args: dict[int, list[str]] | None = None) -> tuple[Job, Path]:
+            worker_args: dict[int, list[str]] | None = None,
+            coordinator_args: list[str] | None = None) -> tuple[Job, Path]:
     ledger = tmp / "ledger"
     ledger.mkdir(parents=True)
     job = start_job(broker.url, tmp, spec("chaos"), workers=workers, job=name,
-                    coordinator_args=["--policy", "cadence"], worker_args=worker_args,
+                    coordinator_args=["--policy", "cadence", *(coordinator_args or [])],
+                    worker_args=worker_args,
                     env={"LEDGER_DIR": str(ledger), "CHAOS_EPOCHS": str(EPOCHS)})
     _STARTED.append(job)
     return job, ledger
@@ -415,3 +420,63 @@ def test_the_elected_id_generator_killed_during_the_rebuild(broker: EmbeddedBrok
     survivors = [r for r in range(4) if r not in (3, generator)]
     assert of(events, "session-formed")[-1]["members"] == survivors
     recovered(job, ledger, events, {3: first.pid, generator: second.pid}, survivors)
+
+
+def latest_bundle(url: str, job: str) -> int:
+    """The version of ``job``'s latest stored resume bundle (0: none yet)."""
+    async def read() -> int:
+        nc = await connect(url, name="test-bundle-probe")
+        try:
+            found = await bundles.latest(nc.jetstream(), job)
+            return found.version if found is not None else 0
+        finally:
+            await nc.close()
+    return asyncio.run(read())
+
+
+@pytest.mark.parametrize("attempt", REPEAT)
+def test_the_whole_run_killed_resumes_from_its_last_bundle(broker: EmbeddedBroker,
+                                                           tmp_path: Path,
+                                                           attempt: int) -> None:
+    """Coordinator and every worker SIGKILLed at once; a new job on the same broker resumes
+    from the old job's last bundle in its Object Store. Across both runs every sample of
+    every epoch is in the final model exactly once: epochs before the bundle from the first
+    run (its later, unbundled work is discarded), the rest from the second."""
+    rng, seed = scenario_rng(f"resume-{attempt}")
+    want = rng.randint(2, 5)
+    first, ledger_a = run_job(broker, tmp_path / "a", 2, f"whole-{attempt}")
+    wait_for(f"bundle v{want}", lambda: latest_bundle(broker.url, first.name) >= want)
+    for p in first.procs.values():
+        p.send_signal(signal.SIGKILL)
+    for p in first.procs.values():
+        p.wait(10)
+    FAULTS["whole run SIGKILL, resumed"] += 1
+    version = latest_bundle(broker.url, first.name)  # the commit point: nothing torn
+    assert version >= want, f"seed {seed}"
+    second, ledger_b = run_job(broker, tmp_path / "b", 2, f"whole-{attempt}-b",
+                               coordinator_args=["--resume", first.name])
+    events = finish(second, failed={})
+    [resumed] = of(events, "resumed-from-bundle")
+    assert (resumed["job"], resumed["version"], resumed["epoch"]) == (
+        first.name, version, version), f"seed {seed}"
+    summary = second.wait_summary()
+    assert summary["ok"], summary
+    assert summary["coverage"]["exact"], summary["coverage"]
+    assert summary["coverage"]["resumed_epochs"] == version
+    assert summary["resumed_from"]["epoch"] == version
+    assert all("loaded bundle v" in second.log(f"rank-{r}") for r in range(2))
+    baseline = undisturbed_accuracy(tmp_path / "undisturbed")
+    assert summary["test_accuracy"] >= min(0.95, baseline - 0.01), (
+        f"seed {seed}: accuracy {summary['test_accuracy']:.4f}, undisturbed {baseline:.4f}")
+    counted: Counter[tuple[int, int]] = Counter()
+    for rank in range(2):
+        counted.update((e, i) for e, i, _ in lines(ledger_a, rank) if e < version)
+        again = [(e, i) for e, i, _ in lines(ledger_b, rank)]
+        assert all(e >= version for e, _ in again), "the resumed run retrained bundled epochs"
+        counted.update(again)
+    per_epoch = (N_TRAIN // BATCH) * BATCH
+    for epoch in range(EPOCHS):
+        expected = set(epoch_permutation(N_TRAIN, SEED, epoch)[:per_epoch].tolist())
+        assert {i for (e, i) in counted if e == epoch} == expected, f"epoch {epoch}"
+    assert max(counted.values()) == 1, "a sample trained twice across the resume"
+    same_replicas(second.out, [0, 1])

@@ -43,7 +43,7 @@ def every_batch_once(sim: Sim) -> None:
     coverage = summarize(sim.state)["coverage"]
     assert coverage["exact"], coverage["violations"]
     assert coverage == {"exact": True, "epochs": EPOCHS, "batches": EPOCHS * per_epoch,
-                        "violations": []}
+                        "resumed_epochs": 0, "violations": []}
 
 
 SLOW = (10.0, 15.0, 20.0)  # ~5 s runs: a restart at 3 s finds work left
