@@ -11,6 +11,7 @@ and yields a :class:`~ddpbus.orchestrator.state.Refuse` with the reason.
 from __future__ import annotations
 
 import dataclasses
+from typing import Final
 
 from ddpbus.codecs import messages as m
 from ddpbus.orchestrator import callbacks, membership, window
@@ -22,6 +23,7 @@ from ddpbus.orchestrator.state import (
     Command,
     CoreConfig,
     Event,
+    IdWindow,
     Joined,
     Metrics,
     Phase,
@@ -70,7 +72,11 @@ def _forgive_silence(state: State, now: float) -> None:
 
 def transition(state: State, event: Event, now: float) -> tuple[State, list[Command]]:
     out: list[Command] = []
-    if state.phase is Phase.DONE:
+    msg_id = getattr(event, "msg_id", "")
+    if msg_id and not first_delivery(state, msg_id):
+        out.append(Refuse("duplicate-id", f"{type(event).__name__} {msg_id} was handled "
+                          "before (a re-published copy)"))
+    elif state.phase is Phase.DONE:
         out.append(Refuse("run-over", f"{type(event).__name__} after the run ended"))
     elif isinstance(event, Timing):
         _timing(state, event.msg, now, out)
@@ -93,6 +99,45 @@ def transition(state: State, event: Event, now: float) -> tuple[State, list[Comm
         if isinstance(c, Refuse):
             state.refusals[c.reason] += 1
     return state, out
+
+
+ID_HOLES: Final = 256  # unseen lower sequences remembered per rank incarnation
+
+
+def first_delivery(state: State, msg_id: str) -> bool:
+    """Whether a stream message with this ``Nats-Msg-Id`` (``rank-N.g<gen>.<seq>``) is new.
+
+    JetStream drops re-published copies inside its duplicate window (2 min); a publisher
+    that re-sends its unacknowledged backlog after a longer broker outage can store a second
+    copy, which this catches: per rank incarnation, the highest sequence seen and the lower
+    ones not seen yet (a sender's messages can reach the stream slightly out of order when
+    a lost publish is re-sent). Never refuses a sequence it has not seen: an id it cannot
+    parse, or an older incarnation's, is left to the other checks."""
+    sender, _, rest = msg_id.partition(".g")
+    gen_text, _, seq_text = rest.partition(".")
+    if not sender.startswith("rank-") or not (gen_text.isdigit() and seq_text.isdigit()):
+        return True
+    rank_text = sender.removeprefix("rank-")
+    if not rank_text.isdigit():
+        return True
+    rank, generation, seq = int(rank_text), int(gen_text), int(seq_text)
+    w = state.seen_ids.get(rank)
+    if w is None or generation > w.generation:
+        state.seen_ids[rank] = IdWindow(generation=generation, high=seq, holes=set(
+            range(max(1, seq - 16), seq)))
+        return True
+    if generation < w.generation:
+        return True
+    if seq > w.high:
+        w.holes.update(range(max(w.high + 1, seq - ID_HOLES), seq))
+        w.high = seq
+        while len(w.holes) > ID_HOLES:
+            w.holes.remove(min(w.holes))
+        return True
+    if seq in w.holes:
+        w.holes.remove(seq)
+        return True
+    return False
 
 
 def _sender(state: State, rank: int, what: str, out: list[Command]) -> RankState | None:

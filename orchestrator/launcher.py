@@ -31,6 +31,7 @@ from ddpbus.codecs.errors import ConfigError
 from ddpbus.orchestrator import bundles, bus
 from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
 from ddpbus.orchestrator.commands import load_schedule, schedule_overrides
+from ddpbus.orchestrator.config import Schedule
 from ddpbus.orchestrator.progress import RunMonitor, final_table
 from ddpbus.orchestrator.provision import ensure_job
 
@@ -55,13 +56,21 @@ def parse_slowdowns(items: list[str], workers: int) -> dict[int, float]:
     return out
 
 
-def _resume_dir(source: str | None) -> str | None:
+def _resume_dir(source: str | None, schedule: Schedule) -> str | None:
     """``ddpbus run --resume DIR``: the embedded broker is new each run, so the bundle
-    comes from a directory; checked before anything starts."""
+    comes from a directory; checked against the run before anything starts."""
     if source is None:
         return None
-    bundles.read_directory(Path(source))  # raises a clear BundleError if there is none
-    return str(Path(source).resolve())
+    path = Path(source)
+    if not path.is_dir():
+        raise ConfigError(f"--resume {source}: no such directory")
+    try:
+        manifest = bundles.read_directory(path)
+        bundles.check_fits(manifest, seed=schedule.seed, batch_size=schedule.batch_size,
+                           epochs=schedule.epochs)
+    except bundles.BundleError as exc:
+        raise ConfigError(str(exc)) from None
+    return str(path.resolve())
 
 
 @dataclass
@@ -86,7 +95,7 @@ class LocalRun:
         workers = args.workers if args.workers is not None else 2
         if workers < 1:
             raise ConfigError("--workers must be >= 1")
-        load_schedule(args)  # every setting checked before anything starts
+        _, schedule = load_schedule(args)  # every setting checked before anything starts
         job = args.job or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         threads = args.torch_threads or max(1, (os.cpu_count() or 1) // workers)
         return cls(spec_ref=args.spec, workers=workers, overrides=schedule_overrides(args),
@@ -94,7 +103,7 @@ class LocalRun:
                    out_dir=args.out or Path("ddpbus-runs") / job, job=job,
                    summary_path=args.summary, torch_threads=threads,
                    progress=not args.no_progress and sys.stderr.isatty(),
-                   wire_json=args.wire_json, resume=_resume_dir(args.resume))
+                   wire_json=args.wire_json, resume=_resume_dir(args.resume, schedule))
 
     # --------------------------------------------------------------- processes
 

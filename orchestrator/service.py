@@ -385,31 +385,32 @@ class Coordinator:
             self._events_file.write(line + "\n")
             self._events_file.flush()
 
-    def _decode(self, msg: Msg) -> m.Message | None:
+    def _decode(self, msg: Msg) -> tuple[m.Message | None, str]:
+        """The message and its ``Nats-Msg-Id``; None for one refused by the codec."""
         try:
-            body = self.decoder.decode(msg.subject, msg.headers, msg.data).message
+            env = self.decoder.decode(msg.subject, msg.headers, msg.data)
         except DecodeError as exc:
             self.rejected[exc.reason] += 1
             if self.rejected[exc.reason] == 1:
                 log.warning("dropped a message (%s); further %s drops are counted only", exc,
                             exc.reason)
-            return None
-        return body  # type: ignore[return-value]
+            return None, ""
+        return env.message, env.msg_id  # type: ignore[return-value]
 
     async def _on_stream(self, msg: Msg) -> None:
-        body = self._decode(msg)
+        body, msg_id = self._decode(msg)
         seq = self.reader.handled_seq
         if isinstance(body, m.MetricsMsg):
-            await self.apply(Metrics(body), seq)
+            await self.apply(Metrics(body, msg_id), seq)
         elif isinstance(body, m.Hello | m.Rejoin):
-            await self.apply(Joined(body), seq)
+            await self.apply(Joined(body, msg_id), seq)
         elif body is not None:
-            await self.apply(Timing(body), seq)  # type: ignore[arg-type]
+            await self.apply(Timing(body, msg_id), seq)  # type: ignore[arg-type]
         else:
             self.covered_seq = max(self.covered_seq, seq)
 
     async def _on_live(self, msg: Msg) -> None:
-        body = self._decode(msg)
+        body, _ = self._decode(msg)  # core NATS, out of stream order: not deduplicated
         if isinstance(body, m.Heartbeat):
             await self.apply(Timing(body))
 

@@ -26,6 +26,7 @@ class Joined:
     """A rank's JoinMsg (join.rank.N)."""
 
     msg: m.Hello | m.Rejoin
+    msg_id: str = ""  # its Nats-Msg-Id when it came from the stream (deduplicated)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,11 +34,13 @@ class Timing:
     """A rank's TimingMsg (timing.rank.N, or a Heartbeat from live.rank.N)."""
 
     msg: m.TimingMsg
+    msg_id: str = ""  # its Nats-Msg-Id when it came from the stream (deduplicated)
 
 
 @dataclass(frozen=True, slots=True)
 class Metrics:
     msg: m.MetricsMsg
+    msg_id: str = ""  # its Nats-Msg-Id when it came from the stream (deduplicated)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +208,17 @@ class RankState:
 
 
 @dataclass(slots=True)
+class IdWindow:
+    """The stream message ids seen from one rank incarnation (``rank-N.g<generation>.<seq>``):
+    the highest sequence and the lower ones not seen yet (at most ``ID_HOLES``, the most
+    recent). A sequence at or below ``high`` that is not a hole was seen: a duplicate."""
+
+    generation: int
+    high: int = 0
+    holes: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
 class Rendezvous:
     """A communicator session being minted (RequestNewNcclId -> NewNcclIdGenerated)."""
 
@@ -276,6 +290,7 @@ class State:
     drain_started_at: float | None = None
     outcome: tuple[bool, str] | None = None  # (ok, reason) once the end is decided
     refusals: Counter[str] = field(default_factory=Counter)
+    seen_ids: dict[int, IdWindow] = field(default_factory=dict)  # rank -> its ids so far
 
     @property
     def schedule(self) -> Schedule:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load, load_file, save, save_file
 
 from ddpbus.codecs.errors import DdpbusError
@@ -65,7 +65,7 @@ def load_model_bytes(blob: bytes, model: torch.nn.Module, what: str) -> None:
     """Load a :func:`model_bytes` blob into ``model`` in place (strict)."""
     try:
         tensors = load(blob)
-    except (OSError, ValueError) as exc:  # safetensors' own errors subclass these
+    except (OSError, ValueError, SafetensorError) as exc:
         raise CheckpointError(f"cannot read {what}: {exc}") from exc
     try:
         model.load_state_dict(tensors, strict=True)
@@ -88,7 +88,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-    except (OSError, ValueError) as exc:  # safetensors raises its own subclass of these
+    except (OSError, ValueError, SafetensorError) as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
     return dict(json.loads(meta.get("ddpbus", "{}")))
 
@@ -97,7 +97,7 @@ def load_model(path: Path, model: torch.nn.Module) -> dict[str, Any]:
     """Load parameters and buffers into ``model`` in place; returns the metadata."""
     try:
         tensors = load_file(str(path))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, SafetensorError) as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
     try:
         model.load_state_dict(tensors, strict=True)
@@ -121,7 +121,7 @@ def load_optimizer_bytes(blob: bytes, optimizer: torch.optim.Optimizer, what: st
     try:
         tensors = load(blob)
         doc = json.loads(_blob_meta(blob).get("ddpbus", "{}"))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, SafetensorError) as exc:
         raise CheckpointError(f"cannot read {what}: {exc}") from exc
     _rebuild_optimizer(optimizer, tensors, doc, what)
 
@@ -159,7 +159,7 @@ def load_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> None:
     try:
         tensors = load_file(str(path))
         doc = read_meta(path)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, SafetensorError) as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
     _rebuild_optimizer(optimizer, tensors, doc, str(path))
 

@@ -93,6 +93,8 @@ def test_ctrl_c_stops_every_process_and_ranks_save(tmp_path: Path) -> None:
     (["--slowdown", "5=2"], "--slowdown '5=2'"),
     (["--policy", "fastest"], "invalid choice"),
     (["--workers", "0"], "must be >= 1"),
+    (["--resume", "nowhere"], "--resume nowhere: no such directory"),
+    (["--resume", "."], "holds no bundle"),
 ])
 def test_bad_flags_are_refused_before_anything_starts(tmp_path: Path, args: list[str],
                                                       message: str) -> None:
@@ -100,6 +102,30 @@ def test_bad_flags_are_refused_before_anything_starts(tmp_path: Path, args: list
     assert out.returncode == 2
     assert message in out.stderr
     assert not (tmp_path / "never").exists()
+
+
+def test_a_run_resumed_from_an_earlier_run_directory_continues_it(tmp_path: Path) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    out = _run([DIGITS, "--workers", "2", "--epochs", "3", "--out", str(first),
+                "--no-progress"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((first / "bundles" / "latest.json").read_text())["version"] == 3
+    # a bundle at epoch 3 cannot continue a 3-epoch run: refused before anything starts
+    out = _run([DIGITS, "--epochs", "3", "--resume", str(first), "--out", str(second)],
+               tmp_path, timeout=60)
+    assert out.returncode == 2
+    assert "raise --epochs" in out.stderr
+    assert not second.exists()
+    out = _run([DIGITS, "--workers", "2", "--epochs", "6", "--resume", str(first),
+                "--out", str(second), "--no-progress"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((second / "summary.json").read_text())
+    assert summary["resumed_from"]["epoch"] == 3
+    assert summary["coverage"]["exact"]
+    assert summary["coverage"]["resumed_epochs"] == 3
+    assert summary["epochs"] == 3  # trained here: epochs 3, 4, 5
+    assert summary["test_accuracy"] >= 0.9
+    assert [e["epoch"] for e in summary["eval"]][-3:] == [3, 4, 5]
 
 
 def test_a_missing_spec_is_refused(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from ddpbus.orchestrator.state import (
     Metrics,
     Record,
     Refuse,
+    ResumePoint,
     Send,
     Tick,
     Timing,
@@ -70,11 +71,12 @@ class Sim:
     def __init__(self, schedule: Schedule, speeds: Iterable[float], *, latency: float = 0.0005,
                  dataset_size: int = 640, has_eval: bool = False,
                  has_checkpoint_fn: bool = False, has_epoch_fn: bool = False,
-                 tick: float = 0.1,
+                 tick: float = 0.1, resume: ResumePoint | None = None,
                  lose_batch_report: Callable[[int, int], bool] | None = None) -> None:
         speeds = list(speeds)
         self.config = CoreConfig(schedule=schedule, world_size=len(speeds), has_eval=has_eval,
-                                 has_checkpoint_fn=has_checkpoint_fn, has_epoch_fn=has_epoch_fn)
+                                 has_checkpoint_fn=has_checkpoint_fn, has_epoch_fn=has_epoch_fn,
+                                 resume=resume)
         self.now = 0.0
         self.state = initial_state(self.config, self.now)
         self.ranks = [SimRank(rank=i, ms_per_batch=ms) for i, ms in enumerate(speeds)]
