@@ -159,8 +159,11 @@ def _dispatch_bundle(s: State, epoch: int, out: Out) -> None:
     target = s.roles.checkpoint
     if not s.ranks[target].alive:
         target = min(r.rank for r in s.alive)
+    reason = "final" if _last_epoch(s, epoch) else resume.BOUNDARY
+    s.last_bundle = epoch + 1
     out.append(Send(m.SaveConsensusModel(target_rank=target, version=epoch + 1,
-                                         bundle_meta=resume.meta_json(s, epoch)), rank=target))
+                                         bundle_meta=resume.meta_json(s, epoch, reason)),
+                    rank=target))
     out.append(Record("bundle", {"version": epoch + 1, "rank": target,
                                  "global_step": s.global_step}))
 

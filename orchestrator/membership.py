@@ -230,7 +230,8 @@ def end_run(s: State, reason: m.SaveReason, text: str, now: float, out: Out) -> 
     if s.phase in (Phase.DRAINING, Phase.DONE):
         return
     out.append(Send(m.ShutdownWithSave(reason=reason)))
-    out.append(Record("run-aborted", {"reason": reason.name, "why": text}))
+    out.append(Record("run-aborted", {"reason": reason.name, "why": text,
+                                      "resume_bundle": s.last_bundle or None}))
     s.outcome = (False, text)
     _drain(s, now, out)
 

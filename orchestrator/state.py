@@ -291,6 +291,7 @@ class State:
     outcome: tuple[bool, str] | None = None  # (ok, reason) once the end is decided
     refusals: Counter[str] = field(default_factory=Counter)
     seen_ids: dict[int, IdWindow] = field(default_factory=dict)  # rank -> its ids so far
+    last_bundle: int = 0  # the latest resume bundle version asked for
 
     @property
     def schedule(self) -> Schedule:

@@ -72,6 +72,7 @@ def summarize(s: State) -> dict[str, Any]:
         "batches_per_epoch": s.total_batches,
         "refused": dict(s.refusals),
         "coverage": _coverage(s),
+        "last_bundle": s.last_bundle or None,  # the version a later --resume would load
         "resumed_from": None if (r := s.config.resume) is None else {
             "source": r.source, "version": r.version, "epoch": r.epoch,
             "global_step": r.global_step},

@@ -35,7 +35,7 @@ async def store_copies(url: str, job: str, subject: str, count: int) -> int:
             assert time.monotonic() < deadline, "the job's stream never appeared"
             await asyncio.sleep(0.05)
     config: StreamConfig = info.config
-    config.duplicate_window = 0.1  # seconds (the least the server takes): the originals soon fall out of it
+    config.duplicate_window = 0.1  # s, the least the server takes: the originals fall out
     await js.update_stream(config)
     sub = await js.subscribe(subject, ordered_consumer=True)
     stored = 0

@@ -42,6 +42,8 @@ def test_every_epoch_boundary_writes_a_bundle_whose_meta_proves_its_epochs() -> 
     s.run()
     metas = [json.loads(msg.bundle_meta) for msg in saved(s)]
     assert [msg.version for msg in saved(s)] == [1, 2, 3, 4]
+    assert [meta["reason"] for meta in metas] == ["epoch-boundary"] * 3 + ["final"]
+    assert summarize(s.state)["last_bundle"] == 4
     steps = [meta["global_step"] for meta in metas]
     assert steps == sorted(steps)
     assert steps[0] > 0
