@@ -24,6 +24,7 @@ bundle of its own loads it before training.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import json
@@ -39,6 +40,7 @@ from nats.js.errors import (
     BucketNotFoundError,
     DigestMismatchError,
     KeyNotFoundError,
+    KeyWrongLastSequenceError,
     NotFoundError,
 )
 from nats.js.object_store import ObjectStore
@@ -125,11 +127,37 @@ async def write(js: JetStreamContext, job: str, version: int, blobs: Mapping[str
     else:
         manifest = await asyncio.to_thread(_write_directory, directory, job, version, blobs,
                                            meta)
-    kv = await js.key_value(sj.kv_bucket(job))
-    await kv.put(LATEST_KEY, manifest.to_json())
-    if directory is None:
+    if await _commit(js, job, manifest) and directory is None:
         await _prune(js, job, version)
     return manifest
+
+
+async def _commit(js: JetStreamContext, job: str, manifest: Manifest) -> bool:
+    """Point ``bundle.latest`` at ``manifest`` unless it already names a newer version (a
+    slower write of an older bundle, e.g. by a rank the checkpoint role moved away from,
+    must not go back in time): compare-and-set on the key's revision. False if skipped."""
+    kv = await js.key_value(sj.kv_bucket(job))
+    for _ in range(20):
+        try:
+            entry = await kv.get(LATEST_KEY)
+        except KeyNotFoundError:
+            entry = None
+        current = None
+        if entry is not None and entry.value:
+            with contextlib.suppress(BundleError):
+                current = Manifest.from_json(entry.value, LATEST_KEY)
+        if current is not None and current.version >= manifest.version:
+            return False
+        try:
+            if entry is None:
+                await kv.create(LATEST_KEY, manifest.to_json())
+            else:
+                await kv.update(LATEST_KEY, manifest.to_json(), last=entry.revision)
+        except KeyWrongLastSequenceError:
+            continue  # another commit landed in between: look again
+        return True
+    raise BundleError(f"bundle v{manifest.version}: {LATEST_KEY} of job {job} kept changing "
+                      "under 20 compare-and-set attempts")
 
 
 def _describe(name: str, blob: bytes) -> dict[str, Any]:

@@ -109,6 +109,7 @@ class WorkerAgent:
         self._bus_down = False
         self.reader: bus.StreamReader | None = None
         self._bundles: list[concurrent.futures.Future[None]] = []  # bundle writes in flight
+        self._bundle_lock: asyncio.Lock | None = None  # one at a time, in version order
 
     # ------------------------------------------------------------------ entry
 
@@ -268,8 +269,11 @@ class WorkerAgent:
     async def _store_bundle(self, version: int, blobs: dict[str, bytes],
                             meta: dict[str, Any]) -> None:
         s = self.settings
-        manifest = await bus.retry_while_away(lambda: bundles.write(
-            self.js, s.job, version, blobs, meta, directory=s.bundle_dir))
+        if self._bundle_lock is None:
+            self._bundle_lock = asyncio.Lock()
+        async with self._bundle_lock:  # FIFO: bundle.latest never goes back a version
+            manifest = await bus.retry_while_away(lambda: bundles.write(
+                self.js, s.job, version, blobs, meta, directory=s.bundle_dir))
         log.info("rank %d: stored %s", s.rank, manifest.describe())
 
     async def _settle_bundles(self) -> bool:

@@ -79,3 +79,11 @@ async def test_a_directory_bundle_is_found_from_its_manifest_in_kv(nc: Client,
     assert await bundles.resolve(js, str(tmp_path / "vol")) == manifest
     assert await bundles.read_blobs(js, manifest) == await bundles.read_blobs(
         js, bundles.read_directory(tmp_path / "vol" / "v4"))
+
+
+async def test_an_older_bundle_written_late_never_replaces_a_newer_one(nc: Client) -> None:
+    js = nc.jetstream()
+    await ensure_job(js, "old", 2)
+    newer = await bundles.write(js, "old", 5, blobs(5), {"epoch": 5})
+    await bundles.write(js, "old", 4, blobs(4), {"epoch": 4})  # a slow writer, late
+    assert await bundles.latest(js, "old") == newer
