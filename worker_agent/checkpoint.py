@@ -67,6 +67,10 @@ def load_model_bytes(blob: bytes, model: torch.nn.Module, what: str) -> None:
         tensors = load(blob)
     except (OSError, ValueError, SafetensorError) as exc:
         raise CheckpointError(f"cannot read {what}: {exc}") from exc
+    _fit(model, tensors, what)
+
+
+def _fit(model: torch.nn.Module, tensors: dict[str, torch.Tensor], what: str) -> None:
     try:
         model.load_state_dict(tensors, strict=True)
     except RuntimeError as exc:
@@ -99,10 +103,7 @@ def load_model(path: Path, model: torch.nn.Module) -> dict[str, Any]:
         tensors = load_file(str(path))
     except (OSError, ValueError, SafetensorError) as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
-    try:
-        model.load_state_dict(tensors, strict=True)
-    except RuntimeError as exc:
-        raise CheckpointError(f"{path} does not fit this model: {exc}") from exc
+    _fit(model, tensors, str(path))
     return read_meta(path)
 
 
