@@ -285,7 +285,10 @@ def test_the_broker_restarted_on_its_store_loses_nothing(broker: EmbeddedBroker,
     port, store = broker.port, broker.store_dir
     broker.stop()
     FAULTS["broker restart"] += 1
-    time.sleep(outage_s)  # the outage itself is the scenario, not a wait for a condition
+    back_at = time.monotonic() + outage_s
+    wait_for("every process to notice the outage, and the outage to last", lambda:
+             time.monotonic() >= back_at and all("lost the NATS connection" in job.log(n)
+                                                  for n in job.procs))
     again = EmbeddedBroker(BrokerConfig(port=port, store_dir=store))
     again.start()
     try:
@@ -333,7 +336,8 @@ def test_sigkill_a_random_worker_at_a_random_moment(broker: EmbeddedBroker, tmp_
     job, ledger = run_job(broker, tmp_path, 3, f"rk{int(restart)}-{attempt}", worker_args=slow)
     wait_for(f"rank {victim} to train {after} epochs",
              lambda: trained_epochs(ledger, victim) >= after)
-    time.sleep(rng.uniform(0.0, 0.3))  # the random moment inside the epoch, not a wait
+    at = len(lines(ledger, victim)) + rng.randint(0, 1000)  # a random sample of the epoch
+    wait_for(f"rank {victim} to reach sample {at}", lambda: len(lines(ledger, victim)) >= at)
     proc = job.procs[f"rank-{victim}"]
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
@@ -367,7 +371,8 @@ def test_sigkill_the_coordinator_at_a_random_moment_and_restart_it(
             time.sleep(0.001)
         print(f"killing the coordinator while round {in_flight} is in flight")
     else:
-        time.sleep(rng.uniform(0.0, 0.3))  # the random moment, not a wait
+        at = len(lines(ledger, 0)) + rng.randint(0, 1000)  # a random sample of the epoch
+        wait_for(f"rank 0 to reach sample {at}", lambda: len(lines(ledger, 0)) >= at)
     first.send_signal(signal.SIGKILL)
     first.wait(10)
     FAULTS[f"coordinator SIGKILL {moment}"] += 1

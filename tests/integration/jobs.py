@@ -89,7 +89,11 @@ class Job:
         alive = [p for p in self.procs.values() if p.poll() is None]
         for p in alive:
             p.send_signal(signal.SIGUSR1)
-        time.sleep(1.0 if alive else 0.0)  # faulthandler writes at once; give it a moment
+        deadline = time.monotonic() + 3.0  # faulthandler writes at once, from any state
+        while alive and time.monotonic() < deadline and not all(
+                "most recent call first" in self.log(n) for n, p in self.procs.items()
+                if p in alive):
+            time.sleep(0.05)  # poll interval of a deadline-bound wait
         for p in alive:
             if p.poll() is None:
                 p.kill()
