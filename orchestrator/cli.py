@@ -206,7 +206,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         runners = {"broker": run_broker, "coordinator": commands.run_coordinator,
-                   "worker": commands.run_worker, "run": commands.run_local}
+                   "worker": commands.run_worker, "run": commands.run_local,
+                   "sub": commands.run_sub}
         if args.command in runners:
             return runners[args.command](args)
         return run_init_job(parser, args)

@@ -33,6 +33,7 @@ ENV_VARS: dict[str, dict[str, str]] = {
         "spec": "DDPBUS_SPEC", "bundle_dir": "DDPBUS_BUNDLE_DIR",
     },
     "run": {"workers": "DDPBUS_WORKERS", "out": "DDPBUS_OUT"},
+    "sub": {"job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL", "key_file": "DDPBUS_KEY_FILE"},
 }
 
 POLICIES = ("sync", "cadence", "async")
@@ -150,6 +151,43 @@ def add_parsers(sub: Any) -> None:
     run.add_argument("--wire-json", action="store_true", help="proto3 JSON payloads")
     run.add_argument("--resume", metavar="DIR", help="continue from the latest resume bundle "
                      "of an earlier run's directory (or a bundle directory)")
+    _add_sub(sub)
+
+
+def _add_sub(sub: Any) -> None:
+    watch = sub.add_parser("sub", help="show a job's traffic, decoded",
+                           description="Like `nats sub`, but every message is verified with "
+                           "the job key and decoded: one line per message (time, stream "
+                           "sequence, subject, type, sender and generation, key fields) or "
+                           "JSON lines. Live unless --since reads the job's stream.")
+    watch.add_argument("subject", nargs="?", help="subject or wildcard inside the job "
+                       "(default ddpbus.<job>.>)")
+    watch.add_argument("--job", type=_job, help="job name (env DDPBUS_JOB)")
+    watch.add_argument("--nats", help="NATS URL (env DDPBUS_NATS_URL)")
+    watch.add_argument("--key-file", type=Path, help="the job key (env DDPBUS_KEY_FILE)")
+    watch.add_argument("--rank", type=_nonneg, help="only this rank's messages")
+    watch.add_argument("--type", help="only this message type (Batch or TimingMsg.Batch)")
+    watch.add_argument("--json", action="store_true", help="JSON lines")
+    watch.add_argument("--since", metavar="SEQ|TIME", help="read the stream from this "
+                       "sequence, age (10m, 2h) or ISO time up to its end, instead of live")
+    watch.add_argument("--follow", action="store_true", help="with --since: keep going "
+                       "after the end of the stream")
+    watch.add_argument("--count", type=_positive_int, help="stop after N messages")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def run_sub(args: argparse.Namespace) -> int:
+    from ddpbus.orchestrator import watch
+
+    _require(args, [("--job", "job"), ("--nats", "nats")], "sub")
+    key = read_key(args.key_file)
+    return asyncio.run(watch.from_args(args, key).run())
 
 
 # ------------------------------------------------------------------ helpers
