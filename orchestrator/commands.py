@@ -34,6 +34,8 @@ ENV_VARS: dict[str, dict[str, str]] = {
     },
     "run": {"workers": "DDPBUS_WORKERS", "out": "DDPBUS_OUT"},
     "sub": {"job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL", "key_file": "DDPBUS_KEY_FILE"},
+    "status": {"job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL",
+               "key_file": "DDPBUS_KEY_FILE"},
 }
 
 POLICIES = ("sync", "cadence", "async")
@@ -152,6 +154,7 @@ def add_parsers(sub: Any) -> None:
     run.add_argument("--resume", metavar="DIR", help="continue from the latest resume bundle "
                      "of an earlier run's directory (or a bundle directory)")
     _add_sub(sub)
+    _add_status(sub)
 
 
 def _add_sub(sub: Any) -> None:
@@ -173,6 +176,27 @@ def _add_sub(sub: Any) -> None:
     watch.add_argument("--follow", action="store_true", help="with --since: keep going "
                        "after the end of the stream")
     watch.add_argument("--count", type=_positive_int, help="stop after N messages")
+
+
+def _add_status(sub: Any) -> None:
+    status = sub.add_parser("status", help="where a job stands",
+                            description="A job's phase, epoch, global step, averaging rounds, "
+                            "members (generation, liveness, batch share), El Che anchor and "
+                            "counts, last checkpoint, leader lease and stream, from its KV "
+                            "bucket and stream. Reads only.")
+    status.add_argument("--job", type=_job, help="job name (env DDPBUS_JOB)")
+    status.add_argument("--nats", help="NATS URL (env DDPBUS_NATS_URL)")
+    status.add_argument("--key-file", type=Path, help="the job key, to verify the "
+                        "coordinator's snapshot (env DDPBUS_KEY_FILE)")
+    status.add_argument("--json", action="store_true", help="JSON instead of text")
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from ddpbus.orchestrator import status
+
+    _require(args, [("--job", "job"), ("--nats", "nats")], "status")
+    key = read_key(args.key_file)
+    return asyncio.run(status.show(args.nats, args.job, key, as_json=args.json))
 
 
 def _positive_int(text: str) -> int:

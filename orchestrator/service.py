@@ -153,6 +153,9 @@ class Coordinator:
         if result is None:
             return EXIT_DEPOSED
         done, stored = result
+        # the last inputs (the ranks' Exiting) led to no command, so no snapshot yet holds
+        # the end: store it, for `ddpbus status` and for a coordinator started again
+        await self._snapshot([])
         summary = summarize(self.state) | {"decode_rejections": dict(self.rejected),
                                            "snapshots": self.snapshots,
                                            "resumed_from_seq": self.resumed_from}

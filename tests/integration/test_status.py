@@ -1,0 +1,98 @@
+"""`ddpbus status` against a live 2-worker run, then the finished one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jobs import KEY, spec, start_job
+
+from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
+
+pytestmark = pytest.mark.timeout(240)
+CLI = [sys.executable, "-m", "ddpbus.orchestrator.cli", "status"]
+
+
+def status(url: str, key_file: Path, *args: str, job: str = "watched"
+           ) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
+    return subprocess.run([*CLI, "--job", job, "--nats", url, "--key-file", str(key_file),
+                           *args], capture_output=True, text=True, timeout=60, env=env,
+                          check=False)
+
+
+def doc(url: str, key_file: Path) -> dict[str, Any]:
+    out = status(url, key_file, "--json")
+    assert out.returncode == 0, out.stderr
+    return dict(json.loads(out.stdout))
+
+
+def test_status_of_a_live_run_and_of_its_end(broker: EmbeddedBroker, tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger"
+    ledger.mkdir()
+    job = start_job(broker.url, tmp_path, spec("chaos"), workers=2, job="watched",
+                    coordinator_args=["--policy", "cadence"],
+                    worker_args={0: ["--slowdown", "3"], 1: ["--slowdown", "3"]},
+                    env={"LEDGER_DIR": str(ledger), "CHAOS_EPOCHS": "8"})
+    key_file = tmp_path / "job.key"
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # until the run is training with a checkpoint behind it
+            out = status(broker.url, key_file, "--json")
+            if out.returncode == 0:
+                d = json.loads(out.stdout)
+                if d.get("phase") == "training" and d.get("last_checkpoint"):
+                    break
+            else:  # the coordinator has not made the job yet
+                assert "holds no job" in out.stderr, out.stderr
+            assert time.monotonic() < deadline, out.stdout + out.stderr
+        assert d["global_step"] > 0
+        assert d["rounds"] > 0
+        assert d["alive"] == d["world_size"] == 2
+        assert [(r["rank"], r["state"], r["generation"]) for r in d["members"]] == [
+            (0, "alive", 1), (1, "alive", 1)]
+        assert all(r["last_heard_s_ago"] < 5 for r in d["members"])
+        assert abs(sum(r["batch_share"] for r in d["members"]) - 1) < 1e-3
+        assert d["anchor"] >= 1
+        assert d["lease"]["holder"]
+        assert d["lease"]["expires_in_s"] > 0
+        assert d["last_checkpoint"]["version"] >= 1
+        assert d["stream"]["messages"] > 0
+        text = status(broker.url, key_file)
+        assert text.returncode == 0, text.stderr
+        for needle in ("job watched: training", "global step", "El Che: anchor",
+                       "last checkpoint: bundle v", "lease: "):
+            assert needle in text.stdout, text.stdout
+        job.wait()
+    finally:
+        job.kill()
+    end = doc(broker.url, key_file)
+    assert end["phase"] == "done"
+    assert end["outcome"]["ok"]
+    assert end["summary"]["ok"]
+    assert end["last_checkpoint"]["version"] == 8
+    assert end["lease"] is None
+
+
+def test_status_refuses_an_unknown_job_and_a_wrong_key(broker: EmbeddedBroker,
+                                                      tmp_path: Path) -> None:
+    key_file = tmp_path / "job.key"
+    key_file.write_bytes(KEY)
+    out = status(broker.url, key_file, job="nobody")
+    assert out.returncode == 1
+    assert "no job 'nobody'" in out.stderr
+    with EmbeddedBroker(BrokerConfig(store_dir=tmp_path / "s2")) as other:
+        job = start_job(other.url, tmp_path / "run", spec("chaos"), workers=1, job="watched",
+                        env={"LEDGER_DIR": str(tmp_path), "CHAOS_EPOCHS": "1"})
+        job.wait()
+        wrong = tmp_path / "wrong.key"
+        wrong.write_bytes(b"a-different-job-key-0123456789")
+        out = status(other.url, wrong)
+    assert out.returncode == 1
+    assert "snapshot signature does not match the job key" in out.stderr
