@@ -207,7 +207,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     try:
         runners = {"broker": run_broker, "coordinator": commands.run_coordinator,
                    "worker": commands.run_worker, "run": commands.run_local,
-                   "sub": commands.run_sub, "status": commands.run_status}
+                   "sub": commands.run_sub, "status": commands.run_status,
+                   "replay": commands.run_replay}
         if args.command in runners:
             return runners[args.command](args)
         return run_init_job(parser, args)

@@ -36,6 +36,8 @@ ENV_VARS: dict[str, dict[str, str]] = {
     "sub": {"job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL", "key_file": "DDPBUS_KEY_FILE"},
     "status": {"job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL",
                "key_file": "DDPBUS_KEY_FILE"},
+    "replay": {"job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL",
+               "key_file": "DDPBUS_KEY_FILE"},
 }
 
 POLICIES = ("sync", "cadence", "async")
@@ -155,6 +157,7 @@ def add_parsers(sub: Any) -> None:
                      "of an earlier run's directory (or a bundle directory)")
     _add_sub(sub)
     _add_status(sub)
+    _add_replay(sub)
 
 
 def _add_sub(sub: Any) -> None:
@@ -197,6 +200,34 @@ def run_status(args: argparse.Namespace) -> int:
     _require(args, [("--job", "job"), ("--nats", "nats")], "status")
     key = read_key(args.key_file)
     return asyncio.run(status.show(args.nats, args.job, key, as_json=args.json))
+
+
+def _add_replay(sub: Any) -> None:
+    replay = sub.add_parser("replay", help="a recorded run's timeline, from its stream",
+                            description="Tell a job's run from its stream: joins and "
+                            "admissions, sessions, averages, epochs, evals, bundles, deaths, "
+                            "rejoins, exits and the end, each line stamped with the time "
+                            "since the run began.")
+    replay.add_argument("--job", type=_job, help="job name (env DDPBUS_JOB)")
+    replay.add_argument("--nats", help="NATS URL (env DDPBUS_NATS_URL)")
+    replay.add_argument("--key-file", type=Path, help="the job key (env DDPBUS_KEY_FILE)")
+    replay.add_argument("--speed", type=_speed, help="X times the recorded pace (default: "
+                        "as fast as it reads; 1 = real time)")
+
+
+def _speed(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive factor")
+    return value
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    from ddpbus.orchestrator import replay
+
+    _require(args, [("--job", "job"), ("--nats", "nats")], "replay")
+    key = read_key(args.key_file)
+    return asyncio.run(replay.replay(args.nats, args.job, key, speed=args.speed))
 
 
 def _positive_int(text: str) -> int:

@@ -1,0 +1,152 @@
+"""``ddpbus replay``: a recorded run's timeline, told from its stream.
+
+Every stored message of the job is verified and decoded in stream order; the ones that
+mark the run's course become one line each, stamped with the time since the first
+message: ranks joining and being admitted, communicator sessions, averages (with the global
+step they closed), epochs aggregated, evals, bundles, deaths and the work handed on,
+rejoins, exits, and the end. ``--speed X`` paces the lines at X times the recorded pace
+(default: as fast as it reads). The coordinator's own re-published copies (a restart
+re-sends what it had not stored) are told once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import math
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from ddpbus.codecs import DecodeError, Decoder, Envelope
+from ddpbus.codecs import messages as m
+from ddpbus.codecs import subjects as sj
+from ddpbus.orchestrator import bus
+
+
+@dataclass
+class Narrator:
+    """Turns decoded messages into timeline lines (pure: no I/O, no clock)."""
+
+    start: dt.datetime | None = None
+    rounds: int = 0
+    global_step: int = 0
+    sessions: set[bytes] = field(default_factory=set)
+    dead: set[int] = field(default_factory=set)
+    seen_ids: set[str] = field(default_factory=set)
+    refused: int = 0
+
+    def stamp(self, when: dt.datetime) -> str:
+        if self.start is None:
+            self.start = when
+        t = (when - self.start).total_seconds()
+        return f"{int(t // 60):>3}:{t % 60:06.3f}"
+
+    def tell(self, env: Envelope) -> Iterator[str]:
+        """The timeline lines this message adds (most add none)."""
+        if env.msg_id and env.msg_id in self.seen_ids:
+            return  # a re-published copy
+        if env.msg_id:
+            self.seen_ids.add(env.msg_id)
+        msg = env.message
+        told = _PLAIN.get(type(msg))
+        if told is not None:
+            line = told(msg, env.rank)
+            if line:
+                yield line
+        elif isinstance(msg, m.NewNcclSession) and msg.uid_bytes not in self.sessions:
+            self.sessions.add(msg.uid_bytes)
+            yield (f"{'first' if msg.initial else 'new'} session: world size "
+                   f"{msg.new_world_size}")
+        elif isinstance(msg, m.SyncNow):
+            self.rounds += 1
+            yield f"average #{self.rounds} (after global step {self.global_step})"
+        elif isinstance(msg, m.SetGlobalStep):
+            self.global_step = msg.global_step
+        elif isinstance(msg, m.DeclareDead) and msg.rank not in self.dead:
+            self.dead.add(msg.rank)
+            yield f"rank {msg.rank} declared dead"
+        elif isinstance(msg, m.Shutdown):
+            yield f"run complete after {self.rounds} averages"
+        if isinstance(msg, m.Hello | m.Rejoin):
+            self.dead.discard(msg.rank if isinstance(msg, m.Hello) else msg.hello.rank)
+
+
+def _epoch(msg: m.EpochAggregated, _rank: int | None) -> str:
+    e = msg.metrics
+    loss = f"{e.avg_loss:.4f}" if math.isfinite(e.avg_loss) else str(e.avg_loss)
+    return f"epoch {e.epoch} done: loss {loss}, {e.epoch_ms / 1000:.2f} s"
+
+
+# messages told the same way whatever came before
+_PLAIN: dict[type, Callable[[Any, int | None], str | None]] = {
+    m.Hello: lambda x, _r: f"rank {x.rank} joined (generation {x.generation}, {x.host}, "
+                           f"{x.device})",
+    m.Rejoin: lambda x, _r: f"rank {x.hello.rank} came back (generation "
+                            f"{x.hello.generation}, {x.hello.host}) and asks to rejoin",
+    m.Accept: lambda x, _r: f"rank {x.rank} admitted (world size {x.world_size})",
+    m.Reject: lambda x, r: f"rank {r} rejected: {x.reason}",
+    m.EpochAggregated: _epoch,
+    m.EvalBroadcast: lambda x, _r: f"eval after epoch {x.epoch}: {x.metric:.4f}",
+    m.SaveConsensusModel: lambda x, _r: f"bundle v{x.version} asked of rank "
+                                        f"{x.target_rank}" if x.version else None,
+    m.ExtendPartition: lambda x, r: f"rank {r} takes over {x.partition_size} samples of "
+                                    f"epoch {x.epoch} (offset {x.partition_offset})",
+    m.Exiting: lambda x, _r: f"rank {x.rank} exited",
+    m.ShutdownWithSave: lambda x, _r: f"run aborted: {x.reason.name} (every rank saves and "
+                                      "exits)",
+}
+
+
+async def _stored(nc: Any, job: str, decoder: Decoder
+                  ) -> AsyncIterator[tuple[dt.datetime, Envelope | None]]:
+    js = nc.jetstream()
+    info = await js.stream_info(sj.stream_name(job))
+    last = info.state.last_seq
+    if info.state.messages == 0:
+        return
+    sub = await js.subscribe(f"{sj.PREFIX}.{job}.>", stream=sj.stream_name(job),
+                             ordered_consumer=True,
+                             config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=10.0)
+            meta = msg.metadata
+            try:
+                env: Envelope | None = decoder.decode(msg.subject, msg.headers, msg.data)
+            except DecodeError:
+                env = None
+            yield meta.timestamp, env
+            if meta.sequence.stream >= last:
+                return
+    finally:
+        await sub.unsubscribe()
+
+
+async def replay(nats_url: str, job: str, key: bytes, *, speed: float | None,
+                 out: IO[str] = sys.stdout) -> int:
+    decoder = Decoder(job=job, key=key)
+    narrator = Narrator()
+    nc = await bus.connect(nats_url, name=f"ddpbus-replay-{job}")
+    shown_at: dt.datetime | None = None
+    try:
+        async for when, env in _stored(nc, job, decoder):
+            if env is None:
+                narrator.refused += 1
+                continue
+            for line in narrator.tell(env):
+                if speed is not None and shown_at is not None:
+                    await asyncio.sleep(max(0.0, (when - shown_at).total_seconds()) / speed)
+                shown_at = when
+                print(f"{narrator.stamp(when)}  {line}", file=out, flush=True)
+    finally:
+        await nc.close()
+    if narrator.start is None:
+        print(f"job {job}: nothing recorded", file=out)
+    elif narrator.refused:
+        print(f"({narrator.refused} stored messages did not verify or decode; not shown)",
+              file=out)
+    return 0

@@ -1,0 +1,74 @@
+"""`ddpbus replay` of a recorded run with a death and a rejoin."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from jobs import spec, start_job
+
+from ddpbus.orchestrator.broker import EmbeddedBroker
+
+pytestmark = pytest.mark.timeout(240)
+CLI = [sys.executable, "-m", "ddpbus.orchestrator.cli", "replay"]
+
+
+def epochs_trained(ledger: Path, rank: int) -> int:
+    path = ledger / f"rank-{rank}.txt"
+    text = path.read_text() if path.exists() else ""
+    return len({line.split()[0] for line in text.splitlines() if len(line.split()) == 3})
+
+
+def replay(url: str, key_file: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
+    return subprocess.run([*CLI, "--job", "told", "--nats", url, "--key-file", str(key_file),
+                           *args], capture_output=True, text=True, timeout=120, env=env,
+                          check=False)
+
+
+def test_replay_tells_a_run_with_a_death_and_a_rejoin(broker: EmbeddedBroker,
+                                                      tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger"
+    ledger.mkdir()
+    slow = {r: ["--slowdown", "4"] for r in range(2)}
+    job = start_job(broker.url, tmp_path, spec("chaos"), workers=2, job="told",
+                    coordinator_args=["--policy", "cadence"], worker_args=slow,
+                    env={"LEDGER_DIR": str(ledger), "CHAOS_EPOCHS": "10"})
+    try:
+        deadline = time.monotonic() + 120
+        while epochs_trained(ledger, 1) < 3:
+            assert time.monotonic() < deadline, job.dump()
+            time.sleep(0.05)  # poll interval of a deadline-bound wait
+        job.procs["rank-1"].send_signal(signal.SIGKILL)
+        job.procs["rank-1"].wait(10)
+        job.respawn("rank-1", "rank-1b")
+        for name, p in job.procs.items():
+            p.wait(180)
+            assert p.returncode == (-signal.SIGKILL if name == "rank-1" else 0), job.dump()
+    finally:
+        job.kill()
+    summary = job.wait_summary()
+    assert summary["ok"], summary
+    out = replay(broker.url, tmp_path / "job.key")
+    assert out.returncode == 0, out.stderr
+    lines = [line.strip().split("  ", 1)[1] for line in out.stdout.splitlines() if "  " in line]
+    told = "\n".join(lines)
+    for needle in ("rank 0 joined (generation 1", "rank 1 admitted (world size 2)",
+                   "first session: world size 2", "rank 1 declared dead",
+                   "new session: world size 1", "rank 1 came back (generation 2",
+                   "epoch 9 done: loss", "eval after epoch 9:", "bundle v10 asked of rank",
+                   "rank 0 exited", f"run complete after {summary['rounds']} averages"):
+        assert needle in told, f"{needle!r} missing from\n{out.stdout}"
+    order = [next(i for i, x in enumerate(lines) if x.startswith(needle)) for needle in (
+        "first session", "rank 1 declared dead", "rank 1 came back", "run complete")]
+    assert order == sorted(order), out.stdout
+    averages = [x for x in lines if x.startswith("average #")]
+    assert len(averages) == summary["rounds"]
+    paced = replay(broker.url, tmp_path / "job.key", "--speed", "1000")
+    assert paced.returncode == 0, paced.stderr
+    assert paced.stdout == out.stdout
