@@ -123,7 +123,7 @@ def merge_env(parser: argparse.ArgumentParser, args: argparse.Namespace,
         "port": _port, "monitor_port": _port, "max_payload": _positive, "world_size": _positive,
         "store": Path, "config": Path, "job": _job, "key_file": Path, "summary": Path,
         "events": Path, "out": Path, "rank": _nonneg_int, "workers": _positive,
-        "torch_threads": _positive, "bundle_dir": Path,
+        "torch_threads": _positive, "bundle_dir": Path, "metrics_port": _port,
     }
     for dest, var in ENV_VARS.get(args.command, {}).items():
         if getattr(args, dest, None) is None and var in environ:

@@ -25,6 +25,7 @@ ENV_VARS: dict[str, dict[str, str]] = {
         "world_size": "DDPBUS_WORLD_SIZE", "policy": "DDPBUS_POLICY",
         "backend": "DDPBUS_BACKEND", "summary": "DDPBUS_SUMMARY", "events": "DDPBUS_EVENTS",
         "spec": "DDPBUS_SPEC", "lease_ttl": "DDPBUS_LEASE_TTL", "resume": "DDPBUS_RESUME",
+        "metrics_port": "DDPBUS_METRICS_PORT",
     },
     "worker": {
         "job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL", "key_file": "DDPBUS_KEY_FILE",
@@ -48,6 +49,13 @@ def _nonneg(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def _port_number(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0-65535)")
     return value
 
 
@@ -107,6 +115,9 @@ def add_parsers(sub: Any) -> None:
                        "third of it)")
     coord.add_argument("--wire-json", action="store_true",
                        help="publish proto3 JSON payloads (readable in `nats sub`)")
+    coord.add_argument("--metrics-port", type=_port_number, help="serve Prometheus metrics on "
+                       "http://0.0.0.0:PORT/metrics (0: any free port, logged; env "
+                       "DDPBUS_METRICS_PORT; default: off)")
     coord.add_argument("--resume", metavar="SOURCE", help="start from a resume bundle (env "
                        "DDPBUS_RESUME): a bundle directory (or a --bundle-dir / `ddpbus run` "
                        "directory holding one), or the name of an earlier job on this broker "
@@ -305,7 +316,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
     settings = CoordinatorSettings(job=args.job, nats_url=args.nats, key=key,
                                    summary_path=args.summary, events_path=args.events,
                                    wire_json=args.wire_json, standby=args.standby,
-                                   lease_ttl=args.lease_ttl or 5.0, resume=args.resume)
+                                   lease_ttl=args.lease_ttl or 5.0, resume=args.resume,
+                                   metrics_port=args.metrics_port)
     return asyncio.run(Coordinator(settings, config).run())
 
 

@@ -47,6 +47,7 @@ from ddpbus.orchestrator import resume as bundle_resume
 from ddpbus.orchestrator.config import describe
 from ddpbus.orchestrator.core import initial_state, resume, transition
 from ddpbus.orchestrator.lease import Lease, LeaseLost
+from ddpbus.orchestrator.metrics import CoordinatorMetrics
 from ddpbus.orchestrator.provision import JobStorage, consumer_configs, ensure_job
 from ddpbus.orchestrator.state import (
     Admit,
@@ -90,6 +91,8 @@ class CoordinatorSettings:
     standby: bool = False  # wait for the lease rather than fail
     lease_ttl: float = 5.0
     resume: str | None = None  # --resume SOURCE: a bundle directory or an earlier job
+    metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port)
+    metrics_host: str = "0.0.0.0"  # noqa: S104 - a pod's port; `ddpbus run` uses loopback
 
 
 EXIT_DEPOSED = 3
@@ -112,6 +115,8 @@ class Coordinator:
         self._bus_down_since: float | None = None  # wall clock when the connection dropped
         self._snapshot_rev: int | None = None  # KV revision of the last snapshot written
         self._background: set[asyncio.Task[None]] = set()
+        self.metrics: CoordinatorMetrics | None = None  # with --metrics-port
+        self._pending: int | None = None  # the coordinator consumer's backlog, last read
 
     async def run(self) -> int:
         s = self.settings
@@ -211,6 +216,11 @@ class Coordinator:
             (self.publisher.run(), "publisher"), (reader.run(), "stream-reader"),
             (self._ticker(), "ticker"), (self._beacon(), "coord-heartbeat"),
             (self.lease.renew(), "lease"))]
+        metrics_server = None
+        if s.metrics_port is not None:
+            self.metrics = CoordinatorMetrics(s.job)
+            metrics_server = self.metrics.serve(s.metrics_port, s.metrics_host)
+            tasks.append(asyncio.create_task(self._watch_lag(nc), name="metrics-lag"))
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self._signal, sig)
@@ -228,6 +238,8 @@ class Coordinator:
             stored = await self.publisher.flush(30.0)
         finally:
             deposed.cancel()
+            if metrics_server is not None:
+                metrics_server.shutdown()
             for t in tasks:
                 t.cancel()
             with contextlib.suppress(Exception):  # bounded: a deposed one must go at once
@@ -381,6 +393,8 @@ class Coordinator:
         return outbound
 
     def _record(self, c: Record) -> None:
+        if self.metrics is not None:
+            self.metrics.on_record(c)
         line = json.dumps({"t": round(self.clock(), 6), "event": c.event, **c.fields},
                           default=str)
         events_log.info("%s", line)
@@ -403,6 +417,8 @@ class Coordinator:
     async def _on_stream(self, msg: Msg) -> None:
         body, msg_id = self._decode(msg)
         seq = self.reader.handled_seq
+        if self.metrics is not None and isinstance(body, m.Batch):
+            self.metrics.on_batch(body)
         if isinstance(body, m.MetricsMsg):
             await self.apply(Metrics(body, msg_id), seq)
         elif isinstance(body, m.Hello | m.Rejoin):
@@ -422,6 +438,20 @@ class Coordinator:
             await asyncio.sleep(TICK_S)
             if self._bus_down_since is None:  # without a connection, silence proves nothing
                 await self.apply(Tick())
+            if self.metrics is not None:
+                self.metrics.refresh(self.state, batch_size=self.config.schedule.batch_size,
+                                     pending=self._pending)
+                self.metrics.on_rejections(self.rejected + self.state.refusals)
+
+    async def _watch_lag(self, nc: Client) -> None:
+        """The coordinator consumer's backlog, for the metrics (every 2 s)."""
+        js = nc.jetstream()
+        while True:
+            with contextlib.suppress(*bus.TRANSIENT_ERRORS):
+                info = await js.consumer_info(sj.stream_name(self.settings.job),
+                                              sj.COORDINATOR_CONSUMER)
+                self._pending = info.num_pending
+            await asyncio.sleep(2.0)
 
     async def _bus_lost(self) -> None:
         if getattr(self, "publisher", None) is not None:
