@@ -27,7 +27,12 @@ lint: install
 typecheck: install
 	cd tests && ../$(VENV)/bin/mypy -p ddpbus.codecs -p ddpbus.orchestrator -p ddpbus.worker_agent
 
-pytest: install
+# the report test renders the page in Debian's headless Chromium (CI installs it here)
+CHROMIUM := /usr/bin/chromium
+$(CHROMIUM):
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+
+pytest: install $(CHROMIUM)
 	$(PY) -m pytest
 
 test: lint typecheck pytest

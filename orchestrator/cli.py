@@ -208,7 +208,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         runners = {"broker": run_broker, "coordinator": commands.run_coordinator,
                    "worker": commands.run_worker, "run": commands.run_local,
                    "sub": commands.run_sub, "status": commands.run_status,
-                   "replay": commands.run_replay}
+                   "replay": commands.run_replay, "report": commands.run_report}
         if args.command in runners:
             return runners[args.command](args)
         return run_init_job(parser, args)

@@ -39,6 +39,8 @@ ENV_VARS: dict[str, dict[str, str]] = {
                "key_file": "DDPBUS_KEY_FILE"},
     "replay": {"job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL",
                "key_file": "DDPBUS_KEY_FILE"},
+    "report": {"job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL",
+               "key_file": "DDPBUS_KEY_FILE"},
 }
 
 POLICIES = ("sync", "cadence", "async")
@@ -169,6 +171,7 @@ def add_parsers(sub: Any) -> None:
     _add_sub(sub)
     _add_status(sub)
     _add_replay(sub)
+    _add_report(sub)
 
 
 def _add_sub(sub: Any) -> None:
@@ -224,6 +227,30 @@ def _add_replay(sub: Any) -> None:
     replay.add_argument("--key-file", type=Path, help="the job key (env DDPBUS_KEY_FILE)")
     replay.add_argument("--speed", type=_speed, help="X times the recorded pace (default: "
                         "as fast as it reads; 1 = real time)")
+
+
+def _add_report(sub: Any) -> None:
+    report = sub.add_parser("report", help="a recorded run's HTML report with plots",
+                            description="Build a job's run report from its stream: an HTML "
+                            "page with PNG plots (loss and eval per epoch, per-rank "
+                            "throughput, batch share, anchor and averaging interval, "
+                            "divergence, membership events).")
+    report.add_argument("--job", type=_job, help="job name (env DDPBUS_JOB)")
+    report.add_argument("--nats", help="NATS URL (env DDPBUS_NATS_URL)")
+    report.add_argument("--key-file", type=Path, help="the job key (env DDPBUS_KEY_FILE)")
+    report.add_argument("--out", type=Path, help="directory for index.html and the plots "
+                        "(default ./ddpbus-report-<job>)")
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from ddpbus.orchestrator import report
+
+    _require(args, [("--job", "job"), ("--nats", "nats")], "report")
+    key = read_key(args.key_file)
+    out = args.out or Path(f"ddpbus-report-{args.job}")
+    index = asyncio.run(report.build(args.nats, args.job, key, out))
+    print(index)
+    return 0
 
 
 def _speed(text: str) -> float:

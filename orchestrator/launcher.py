@@ -27,7 +27,7 @@ from typing import IO, Any
 
 from rich.console import Console
 
-from ddpbus.codecs.errors import ConfigError
+from ddpbus.codecs.errors import ConfigError, DdpbusError
 from ddpbus.orchestrator import bundles, bus
 from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
 from ddpbus.orchestrator.commands import load_schedule, schedule_overrides
@@ -86,6 +86,7 @@ class LocalRun:
     progress: bool = True
     wire_json: bool = False
     resume: str | None = None  # a directory holding the bundle to continue from
+    report_path: Path | None = None  # the run report, once written
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     _logs: list[IO[bytes]] = field(default_factory=list)
     _stop: bool = False
@@ -209,7 +210,21 @@ class LocalRun:
                 await sub.unsubscribe()
         finally:
             await nc.close()
-        return self._report(console, time.monotonic() - started, failed)
+        wall = time.monotonic() - started
+        await self._write_report(url, key, console)
+        return self._report(console, wall, failed)
+
+    async def _write_report(self, url: str, key: bytes, console: Console) -> None:
+        """The run's HTML report with plots, from its stream (the broker is still up)."""
+        from ddpbus.orchestrator import report
+
+        try:
+            with console.status("writing the run report"):
+                index = await report.build(url, self.job, key, self.out_dir / "report")
+        except (DdpbusError, OSError, ValueError) as exc:
+            console.print(f"[yellow]no run report[/yellow]: {exc}")
+            return
+        self.report_path = index
 
     def _request_stop(self) -> None:
         self._stop = True
@@ -250,6 +265,7 @@ class LocalRun:
         summary["launcher_wall_s"] = wall
         summary["out_dir"] = str(self.out_dir)
         summary["job"] = self.job
+        summary["report"] = str(self.report_path) if self.report_path else None
         if self.summary_path is not None:
             self.summary_path.parent.mkdir(parents=True, exist_ok=True)
             self.summary_path.write_text(json.dumps(summary, indent=2) + "\n")

@@ -141,6 +141,8 @@ def final_table(summary: dict[str, Any]) -> Table:
     batches = summary.get("batches", {})
     rows += [(f"rank {rank} batch share", f"{shares[rank]:.1%} ({batches.get(rank)} batches)")
              for rank in sorted(shares, key=int)]
+    if summary.get("report"):
+        rows.append(("run report", str(summary["report"])))
     for k, v in rows:
         table.add_row(k, v)
     return table

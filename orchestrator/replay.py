@@ -101,7 +101,7 @@ _PLAIN: dict[type, Callable[[Any, int | None], str | None]] = {
 }
 
 
-async def _stored(nc: Any, job: str, decoder: Decoder
+async def stored(nc: Any, job: str, decoder: Decoder
                   ) -> AsyncIterator[tuple[dt.datetime, Envelope | None]]:
     js = nc.jetstream()
     info = await js.stream_info(sj.stream_name(job))
@@ -133,7 +133,7 @@ async def replay(nats_url: str, job: str, key: bytes, *, speed: float | None,
     nc = await bus.connect(nats_url, name=f"ddpbus-replay-{job}")
     shown_at: dt.datetime | None = None
     try:
-        async for when, env in _stored(nc, job, decoder):
+        async for when, env in stored(nc, job, decoder):
             if env is None:
                 narrator.refused += 1
                 continue

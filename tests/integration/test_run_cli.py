@@ -42,6 +42,9 @@ def test_demo_trains_digits_to_95_percent_and_writes_the_summary(tmp_path: Path)
     if not run_dir.is_absolute():
         run_dir = tmp_path / run_dir
     assert (run_dir / "consensus.safetensors").exists()
+    assert (run_dir / "report" / "index.html").exists()  # the run report, every run
+    assert (tmp_path / summary["report"]).resolve() == (run_dir / "report" / "index.html").resolve()
+    assert "run report" in out.stdout
     assert not (run_dir / ".job.key").exists()  # the job key does not outlive the run
 
 

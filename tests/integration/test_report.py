@@ -1,0 +1,95 @@
+"""The run report checked as a person would: rendered in headless Chromium, every plot
+decoded and drawn, the screenshot not blank."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from jobs import spec, start_job
+from PIL import Image
+
+from ddpbus.orchestrator.broker import EmbeddedBroker
+
+pytestmark = pytest.mark.timeout(300)
+PLOTS = ("loss", "throughput", "batch_share", "anchor", "divergence")
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+def chromium(*args: str, profile: Path) -> subprocess.CompletedProcess[str]:
+    """Headless Chromium as this machine runs it (no network, a fresh profile)."""
+    assert Path(CHROMIUM).exists(), "Debian's chromium is needed (make test installs it)"
+    return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
+                           "--disable-quic", "--no-first-run", "--disable-background-networking",
+                           "--disable-component-update", "--disable-sync",
+                           f"--user-data-dir={profile}", *args],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def drawn(path: Path) -> int:
+    """How many distinct colours an image has (a blank or failed plot has one or two)."""
+    with Image.open(path) as img:
+        colours = img.convert("RGB").getcolors(maxcolors=1 << 20)
+    return len(colours or [])
+
+
+def epochs_trained(ledger: Path, rank: int) -> int:
+    path = ledger / f"rank-{rank}.txt"
+    text = path.read_text() if path.exists() else ""
+    return len({line.split()[0] for line in text.splitlines() if len(line.split()) == 3})
+
+
+def test_the_report_of_a_recorded_run_renders_in_chromium(broker: EmbeddedBroker,
+                                                         tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger"
+    ledger.mkdir()
+    job = start_job(broker.url, tmp_path, spec("chaos"), workers=2, job="shown",
+                    coordinator_args=["--policy", "cadence"],
+                    worker_args={r: ["--slowdown", "3"] for r in range(2)},
+                    env={"LEDGER_DIR": str(ledger), "CHAOS_EPOCHS": "6"})
+    try:
+        deadline = time.monotonic() + 120
+        while epochs_trained(ledger, 1) < 2:
+            assert time.monotonic() < deadline, job.dump()
+            time.sleep(0.05)  # poll interval of a deadline-bound wait
+        job.procs["rank-1"].send_signal(signal.SIGKILL)  # a death on the timeline
+        job.procs["rank-1"].wait(10)
+        job.respawn("rank-1", "rank-1b")  # and a rejoin
+        for name, p in job.procs.items():
+            p.wait(180)
+            assert p.returncode == (-signal.SIGKILL if name == "rank-1" else 0), job.dump()
+    finally:
+        job.kill()
+    out = tmp_path / "report"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
+    made = subprocess.run([sys.executable, "-m", "ddpbus.orchestrator.cli", "report", "--job",
+                           "shown", "--nats", broker.url, "--key-file",
+                           str(tmp_path / "job.key"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert made.returncode == 0, made.stderr
+    index = out / "index.html"
+    assert made.stdout.strip() == str(index)
+    for name in PLOTS:
+        assert drawn(out / f"{name}.png") > 20, f"{name}.png looks empty"
+    dom = chromium("--dump-dom", index.as_uri(), profile=tmp_path / "p1")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    loaded = dict(re.findall(r'data-plot="(\w+)"[^>]*data-loaded="(\w+)"', dom.stdout))
+    assert loaded == dict.fromkeys(PLOTS, "yes"), dom.stdout[-3000:]
+    for needle in ("rank 1 dead", "rank 1 rejoined", "<th>epochs</th><td>6</td>"):
+        assert needle in dom.stdout
+    shot = tmp_path / "shot.png"
+    taken = chromium(f"--screenshot={shot}", "--window-size=1000,2600",
+                     "--hide-scrollbars", index.as_uri(), profile=tmp_path / "p2")
+    assert taken.returncode == 0, taken.stderr[-2000:]
+    with Image.open(shot) as img:
+        assert img.size == (1000, 2600)
+        strip_heights = [img.crop((0, y, 1000, y + 400)) for y in range(200, 2200, 400)]
+        assert all(len(s.convert("RGB").getcolors(1 << 20) or []) > 20
+                   for s in strip_heights), "a part of the page is blank"
