@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from nats.js.api import ConsumerConfig, DeliverPolicy
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ddpbus.codecs import DecodeError, Decoder, Envelope
 from ddpbus.codecs import messages as m
@@ -101,8 +103,21 @@ _PLAIN: dict[type, Callable[[Any, int | None], str | None]] = {
 }
 
 
-async def stored(nc: Any, job: str, decoder: Decoder
-                  ) -> AsyncIterator[tuple[dt.datetime, Envelope | None]]:
+def progress_bar(what: str) -> tuple[Progress | None, Callable[[int, int], None]]:
+    """A transient progress bar on stderr when a person watches it (a TTY), else nothing."""
+    if not sys.stderr.isatty():
+        return None, lambda _done, _total: None
+    bar = Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(),
+                   TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+    task = bar.add_task(what, total=None)
+    return bar, lambda done, total: bar.update(task, completed=done, total=total)
+
+
+async def stored(nc: Any, job: str, decoder: Decoder,
+                 progress: Callable[[int, int], None] | None = None
+                 ) -> AsyncIterator[tuple[dt.datetime, Envelope | None]]:
+    """Every message of ``job``'s stream, in order, decoded (None: refused); ``progress``
+    hears (stream sequence, last sequence) as it goes."""
     js = nc.jetstream()
     info = await js.stream_info(sj.stream_name(job))
     last = info.state.last_seq
@@ -120,6 +135,8 @@ async def stored(nc: Any, job: str, decoder: Decoder
             except DecodeError:
                 env = None
             yield meta.timestamp, env
+            if progress is not None:
+                progress(meta.sequence.stream, last)
             if meta.sequence.stream >= last:
                 return
     finally:
@@ -132,17 +149,26 @@ async def replay(nats_url: str, job: str, key: bytes, *, speed: float | None,
     narrator = Narrator()
     nc = await bus.connect(nats_url, name=f"ddpbus-replay-{job}")
     shown_at: dt.datetime | None = None
+    bar, advance = progress_bar("replaying")
+    if bar is not None:
+        bar.start()
     try:
-        async for when, env in stored(nc, job, decoder):
+        async for when, env in stored(nc, job, decoder, advance):
             if env is None:
                 narrator.refused += 1
                 continue
-            for line in narrator.tell(env):
+            for told in narrator.tell(env):
                 if speed is not None and shown_at is not None:
                     await asyncio.sleep(max(0.0, (when - shown_at).total_seconds()) / speed)
                 shown_at = when
-                print(f"{narrator.stamp(when)}  {line}", file=out, flush=True)
+                line = f"{narrator.stamp(when)}  {told}"
+                if bar is not None:
+                    bar.console.print(line, markup=False, highlight=False)
+                else:
+                    print(line, file=out, flush=True)
     finally:
+        if bar is not None:
+            bar.stop()
         await nc.close()
     if narrator.start is None:
         print(f"job {job}: nothing recorded", file=out)

@@ -25,7 +25,7 @@ from matplotlib.figure import Figure  # no pyplot: no global state, no display
 from ddpbus.codecs import Decoder, Envelope
 from ddpbus.codecs import messages as m
 from ddpbus.orchestrator import bus
-from ddpbus.orchestrator.replay import stored
+from ddpbus.orchestrator.replay import progress_bar, stored
 
 
 @dataclass
@@ -243,11 +243,16 @@ async def gather(nats_url: str, job: str, key: bytes) -> Series:
     s = Series()
     decoder = Decoder(job=job, key=key)
     nc = await bus.connect(nats_url, name=f"ddpbus-report-{job}")
+    bar, advance = progress_bar("reading the stream")
+    if bar is not None:
+        bar.start()
     try:
-        async for when, env in stored(nc, job, decoder):
+        async for when, env in stored(nc, job, decoder, advance):
             if env is not None:
                 s.add(when, env)
     finally:
+        if bar is not None:
+            bar.stop()
         await nc.close()
     return s
 

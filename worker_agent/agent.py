@@ -75,6 +75,12 @@ class WorkerSettings:
             raise ConfigError("slowdown must be >= 1 (a factor by which batches get slower)")
 
 
+def _rate(size: int, seconds: float) -> str:
+    """Bundle transfer progress for the log: size, time, throughput."""
+    mib = size / 2**20
+    return f"{mib:.1f} MiB in {seconds:.2f} s, {mib / max(seconds, 1e-6):.0f} MiB/s"
+
+
 def resolve_device(name: str, rank: int) -> torch.device:
     if name == "auto":
         if torch.cuda.is_available():
@@ -245,6 +251,7 @@ class WorkerAgent:
             manifest, required = await self._find_bundle(bundles.RESUME_KEY), True
         if manifest is None:
             return True
+        started = time.monotonic()
         try:
             blobs = await bus.retry_while_away(lambda: bundles.read_blobs(self.js, manifest),
                                                deadline=120.0)
@@ -257,7 +264,8 @@ class WorkerAgent:
             log.warning("rank %d: not loading %s (%s); the next average hands this rank the "
                         "consensus", self.rank, manifest.describe(), exc)
             return True
-        log.info("rank %d: loaded %s", self.rank, manifest.describe())
+        log.info("rank %d: loaded %s (%s)", self.rank, manifest.describe(),
+                 _rate(sum(len(b) for b in blobs.values()), time.monotonic() - started))
         return True
 
     def _bundle_sink(self, version: int, blobs: dict[str, bytes], meta: dict[str, Any]
@@ -272,9 +280,11 @@ class WorkerAgent:
         if self._bundle_lock is None:
             self._bundle_lock = asyncio.Lock()
         async with self._bundle_lock:  # FIFO: bundle.latest never goes back a version
+            started = time.monotonic()
             manifest = await bus.retry_while_away(lambda: bundles.write(
                 self.js, s.job, version, blobs, meta, directory=s.bundle_dir))
-        log.info("rank %d: stored %s", s.rank, manifest.describe())
+        log.info("rank %d: stored %s (%s)", s.rank, manifest.describe(),
+                 _rate(sum(len(b) for b in blobs.values()), time.monotonic() - started))
 
     async def _settle_bundles(self) -> bool:
         """Wait for bundle writes in flight (the final one must land before exit)."""
