@@ -124,6 +124,7 @@ def merge_env(parser: argparse.ArgumentParser, args: argparse.Namespace,
         "store": Path, "config": Path, "job": _job, "key_file": Path, "summary": Path,
         "events": Path, "out": Path, "rank": _nonneg_int, "workers": _positive,
         "torch_threads": _positive, "bundle_dir": Path, "metrics_port": _port,
+        "report": Path,
     }
     for dest, var in ENV_VARS.get(args.command, {}).items():
         if getattr(args, dest, None) is None and var in environ:

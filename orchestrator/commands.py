@@ -25,7 +25,7 @@ ENV_VARS: dict[str, dict[str, str]] = {
         "world_size": "DDPBUS_WORLD_SIZE", "policy": "DDPBUS_POLICY",
         "backend": "DDPBUS_BACKEND", "summary": "DDPBUS_SUMMARY", "events": "DDPBUS_EVENTS",
         "spec": "DDPBUS_SPEC", "lease_ttl": "DDPBUS_LEASE_TTL", "resume": "DDPBUS_RESUME",
-        "metrics_port": "DDPBUS_METRICS_PORT",
+        "metrics_port": "DDPBUS_METRICS_PORT", "report": "DDPBUS_REPORT",
     },
     "worker": {
         "job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL", "key_file": "DDPBUS_KEY_FILE",
@@ -117,6 +117,8 @@ def add_parsers(sub: Any) -> None:
                        "third of it)")
     coord.add_argument("--wire-json", action="store_true",
                        help="publish proto3 JSON payloads (readable in `nats sub`)")
+    coord.add_argument("--report", type=Path, metavar="DIR", help="at the end, write the run "
+                       "report (index.html and PNG plots) here (env DDPBUS_REPORT)")
     coord.add_argument("--metrics-port", type=_port_number, help="serve Prometheus metrics on "
                        "http://0.0.0.0:PORT/metrics (0: any free port, logged; env "
                        "DDPBUS_METRICS_PORT; default: off)")
@@ -344,7 +346,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
                                    summary_path=args.summary, events_path=args.events,
                                    wire_json=args.wire_json, standby=args.standby,
                                    lease_ttl=args.lease_ttl or 5.0, resume=args.resume,
-                                   metrics_port=args.metrics_port)
+                                   metrics_port=args.metrics_port, report_dir=args.report)
     return asyncio.run(Coordinator(settings, config).run())
 
 

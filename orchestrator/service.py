@@ -91,6 +91,7 @@ class CoordinatorSettings:
     standby: bool = False  # wait for the lease rather than fail
     lease_ttl: float = 5.0
     resume: str | None = None  # --resume SOURCE: a bundle directory or an earlier job
+    report_dir: Path | None = None  # write the run report (HTML + plots) here at the end
     metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port)
     metrics_host: str = "0.0.0.0"  # noqa: S104 - a pod's port; `ddpbus run` uses loopback
 
@@ -170,8 +171,22 @@ class Coordinator:
             s.summary_path.write_text(json.dumps(summary, indent=2) + "\n")
         (log.info if done.ok else log.error)("run %s: %s", "complete" if done.ok else "ended",
                                             done.reason)
+        if s.report_dir is not None:
+            await self._write_report(s.report_dir)
         await self.lease.release()
         return 0 if done.ok and stored else 1
+
+    async def _write_report(self, out: Path) -> None:
+        """The run report from the stream; a report that fails is logged, the run stands."""
+        from ddpbus.orchestrator import report  # matplotlib: only when asked for
+
+        s = self.settings
+        try:
+            index = await report.build(s.nats_url, s.job, s.key, out)
+        except (DdpbusError, OSError, ValueError) as exc:
+            log.error("no run report: %s", exc)  # noqa: TRY400 - the reason, said once
+            return
+        log.info("run report: %s", index)
 
     async def _take_over(self, js: Any, kv: Any) -> snapshot.Snapshot | None:
         """Hold the lease, draw a generation, and load the predecessor's snapshot."""

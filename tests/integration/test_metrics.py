@@ -51,7 +51,8 @@ def test_metrics_during_a_run(broker: EmbeddedBroker, tmp_path: Path) -> None:
     ledger = tmp_path / "ledger"
     ledger.mkdir()
     job = start_job(broker.url, tmp_path, spec("chaos"), workers=2, job="scraped",
-                    coordinator_args=["--policy", "cadence", "--metrics-port", "0"],
+                    coordinator_args=["--policy", "cadence", "--metrics-port", "0",
+                                      "--report", str(tmp_path / "report")],
                     worker_args={0: ["--slowdown", "3"], 1: ["--slowdown", "3"]},
                     env={"LEDGER_DIR": str(ledger), "CHAOS_EPOCHS": "8"})
     try:
@@ -90,3 +91,6 @@ def test_metrics_during_a_run(broker: EmbeddedBroker, tmp_path: Path) -> None:
     finally:
         job.kill()
     assert summary["ok"], summary
+    # the coordinator wrote the run report at the end
+    assert (tmp_path / "report" / "index.html").exists()
+    assert (tmp_path / "report" / "loss.png").stat().st_size > 0
