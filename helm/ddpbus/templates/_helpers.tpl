@@ -1,0 +1,117 @@
+{{/* names and labels */}}
+{{- define "ddpbus.fullname" -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "ddpbus.job" -}}
+{{- .Values.job | default (.Release.Name | replace "." "-") | trunc 64 -}}
+{{- end -}}
+
+{{- define "ddpbus.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+ddpbus.io/job: {{ include "ddpbus.job" . }}
+{{- end -}}
+
+{{- define "ddpbus.selector" -}}
+app.kubernetes.io/name: {{ .root.Chart.Name }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "ddpbus.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{- define "ddpbus.serviceAccount" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- .Values.serviceAccount.name | default (include "ddpbus.fullname" .) -}}
+{{- else -}}
+{{- .Values.serviceAccount.name | default "default" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "ddpbus.natsUrl" -}}
+{{- if .Values.nats.bundled -}}
+{{- printf "nats://%s-nats:4222" (include "ddpbus.fullname" .) -}}
+{{- else -}}
+{{- required "nats.url is required when nats.bundled is false" .Values.nats.url -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "ddpbus.keySecret" -}}
+{{- .Values.jobKey.existingSecret | default (printf "%s-job-key" (include "ddpbus.fullname" .)) -}}
+{{- end -}}
+
+{{- define "ddpbus.specRef" -}}
+{{- $s := .Values.spec -}}
+{{- if $s.module -}}
+{{- $s.module -}}
+{{- else if or $s.configMap.name $s.inline -}}
+{{- printf "/etc/ddpbus/spec/%s:spec" ($s.configMap.key | default "spec.py") -}}
+{{- else -}}
+/opt/ddpbus/examples/digits.py:spec
+{{- end -}}
+{{- end -}}
+
+{{- define "ddpbus.specConfigMap" -}}
+{{- .Values.spec.configMap.name | default (printf "%s-spec" (include "ddpbus.fullname" .)) -}}
+{{- end -}}
+
+{{/* environment every ddpbus container shares */}}
+{{- define "ddpbus.commonEnv" -}}
+- name: DDPBUS_JOB
+  value: {{ include "ddpbus.job" . | quote }}
+- name: DDPBUS_NATS_URL
+  value: {{ include "ddpbus.natsUrl" . | quote }}
+- name: DDPBUS_KEY_FILE
+  value: /etc/ddpbus/key/{{ .Values.jobKey.secretKey }}
+- name: DDPBUS_WORLD_SIZE
+  value: {{ .Values.training.workers | quote }}
+- name: DDPBUS_SPEC
+  value: {{ include "ddpbus.specRef" . | quote }}
+{{- end -}}
+
+{{- define "ddpbus.commonMounts" -}}
+- name: job-key
+  mountPath: /etc/ddpbus/key
+  readOnly: true
+- name: tmp
+  mountPath: /tmp
+{{- if or .Values.spec.configMap.name .Values.spec.inline }}
+- name: spec
+  mountPath: /etc/ddpbus/spec
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "ddpbus.commonVolumes" -}}
+- name: job-key
+  secret:
+    secretName: {{ include "ddpbus.keySecret" . }}
+    defaultMode: 0400
+- name: tmp
+  emptyDir: {}
+{{- if or .Values.spec.configMap.name .Values.spec.inline }}
+- name: spec
+  configMap:
+    name: {{ include "ddpbus.specConfigMap" . }}
+{{- end }}
+{{- end -}}
+
+{{- define "ddpbus.trainingArgs" -}}
+- --policy={{ .Values.training.policy }}
+- --backend={{ .Values.training.backend }}
+{{- with .Values.training.epochs }}
+- --epochs={{ . }}
+{{- end }}
+{{- with .Values.training.batchSize }}
+- --batch-size={{ . }}
+{{- end }}
+{{- range $k, $v := .Values.training.knobs }}
+- --knob={{ $k }}={{ $v }}
+{{- end }}
+{{- end -}}

@@ -1,0 +1,35 @@
+"""Helpers of the chart tests: run helm, render the chart, pick manifests apart."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CHART = Path(__file__).resolve().parents[2] / "helm" / "ddpbus"
+
+
+def run(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=120,
+                          check=False)
+
+
+def render(helm: Path, sets: list[str]) -> list[dict[str, Any]]:
+    flags = [x for s in sets for x in ("--set", s)]
+    out = run(helm, "template", "train", str(CHART), "--namespace", "ml", *flags)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def container(doc: dict[str, Any]) -> dict[str, Any]:
+    return dict(doc["spec"]["template"]["spec"]["containers"][0])
+
+
+def env(c: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
