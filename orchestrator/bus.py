@@ -68,6 +68,17 @@ class PublishFailed(DdpbusError, ConnectionError):
 Hook = Callable[[], Awaitable[None]]
 
 
+def redact(url: str) -> str:
+    """A NATS URL fit for a log: ``nats://user:***@host:4222`` (credentials may ride in the
+    URL, e.g. from a Secret)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest.split("/", 1)[0]:
+        return url
+    creds, _, host = rest.partition("@")
+    user = creds.split(":", 1)[0] if ":" in creds else ""
+    return f"{scheme}://{user + ':' if user else ''}***@{host}"
+
+
 async def connect(url: str, *, name: str, deadline: timedelta = timedelta(seconds=30),
                   user_credentials: str | None = None, on_disconnect: Hook | None = None,
                   on_reconnect: Hook | None = None) -> Client:
@@ -136,8 +147,9 @@ async def connect(url: str, *, name: str, deadline: timedelta = timedelta(second
                 nc.options["max_reconnect_attempts"] = -1  # connected: never give up again
                 return nc
     except _NATS_ERRORS as exc:
-        raise BusUnavailable(f"cannot reach NATS at {url} within {deadline}: {exc}") from exc
-    raise BusUnavailable(f"cannot reach NATS at {url}")  # pragma: no cover - tenacity reraises
+        raise BusUnavailable(f"cannot reach NATS at {redact(url)} within {deadline}: {exc}"
+                             ) from exc
+    raise BusUnavailable(f"cannot reach NATS at {redact(url)}")  # pragma: no cover
 
 
 T = TypeVar("T")

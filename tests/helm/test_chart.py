@@ -18,6 +18,7 @@ K8S_VERSIONS = ("1.30", "1.35")
 VALUE_SETS: dict[str, list[str]] = {
     "default": [],
     "existing-nats": ["nats.bundled=false", "nats.url=nats://nats.infra:4222"],
+    "existing-nats-secret": ["nats.bundled=false", "nats.urlSecret.name=nats-url"],
     "bundled-nats": ["nats.bundled=true", "nats.storage.size=50Gi"],
     "standby": ["coordinator.replicas=2"],
     "one-worker": ["training.workers=1"],
@@ -64,7 +65,10 @@ def test_lint_render_and_validate(helm: Path, name: str) -> None:
     assert coord["spec"]["replicas"] == (2 if "coordinator.replicas=2" in sets else 1)
     bundled = "nats.bundled=false" not in sets
     url = env(c)["DDPBUS_NATS_URL"]
-    assert url == ("nats://train-ddpbus-nats:4222" if bundled else "nats://nats.infra:4222")
+    if "nats.urlSecret.name=nats-url" in sets:
+        assert url == {"secretKeyRef": {"name": "nats-url", "key": "url"}}
+    else:
+        assert url == ("nats://train-ddpbus-nats:4222" if bundled else "nats://nats.infra:4222")
     assert bool([d for d in by_kind(docs, "StatefulSet") if "nats" in d["metadata"]["name"]]) \
         is bundled
     for d in docs:  # resources everywhere, never a secret in clear
@@ -93,7 +97,7 @@ def _pods(doc: dict[str, Any]) -> list[dict[str, Any]]:
     (["job=bad name"], "at '/job'"),
     (["worker.gpu.enabled=maybe"], "at '/worker/gpu/enabled'"),
     (["worker.resources.requests.cpu=4", "worker.extra=1"], "'extra' not allowed"),
-    (["nats.bundled=false"], "nats.url is required"),
+    (["nats.bundled=false"], "nats.url or nats.urlSecret.name is required"),
 ])
 def test_bad_values_are_refused(helm: Path, sets: list[str], message: str) -> None:
     out = run(helm, "template", "train", str(CHART), *[x for s in sets for x in ("--set", s)])

@@ -38,8 +38,21 @@ app.kubernetes.io/component: {{ .component }}
 {{- if .Values.nats.bundled -}}
 {{- printf "nats://%s-nats:4222" (include "ddpbus.fullname" .) -}}
 {{- else -}}
-{{- required "nats.url is required when nats.bundled is false" .Values.nats.url -}}
+{{- required "nats.url or nats.urlSecret.name is required when nats.bundled is false" .Values.nats.url -}}
 {{- end -}}
+{{- end -}}
+
+{{/* DDPBUS_NATS_URL: from the Secret (credentials inside) or in clear */}}
+{{- define "ddpbus.natsUrlEnv" -}}
+- name: DDPBUS_NATS_URL
+{{- if and (not .Values.nats.bundled) .Values.nats.urlSecret.name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.nats.urlSecret.name }}
+      key: {{ .Values.nats.urlSecret.key }}
+{{- else }}
+  value: {{ include "ddpbus.natsUrl" . | quote }}
+{{- end }}
 {{- end -}}
 
 {{- define "ddpbus.keySecret" -}}
@@ -65,8 +78,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "ddpbus.commonEnv" -}}
 - name: DDPBUS_JOB
   value: {{ include "ddpbus.job" . | quote }}
-- name: DDPBUS_NATS_URL
-  value: {{ include "ddpbus.natsUrl" . | quote }}
+{{ include "ddpbus.natsUrlEnv" . }}
 - name: DDPBUS_KEY_FILE
   value: /etc/ddpbus/key/{{ .Values.jobKey.secretKey }}
 - name: DDPBUS_WORLD_SIZE
