@@ -38,6 +38,7 @@ class Narrator:
     global_step: int = 0
     sessions: set[bytes] = field(default_factory=set)
     dead: set[int] = field(default_factory=set)
+    joined: set[int] = field(default_factory=set)  # ranks that said Hello
     seen_ids: set[str] = field(default_factory=set)
     refused: int = 0
 
@@ -54,8 +55,9 @@ class Narrator:
         if env.msg_id:
             self.seen_ids.add(env.msg_id)
         msg = env.message
-        told = _PLAIN.get(type(msg))
-        if told is not None:
+        if isinstance(msg, m.Hello | m.Rejoin):
+            yield self._arrival(msg)
+        elif (told := _PLAIN.get(type(msg))) is not None:
             line = told(msg, env.rank)
             if line:
                 yield line
@@ -73,8 +75,17 @@ class Narrator:
             yield f"rank {msg.rank} declared dead"
         elif isinstance(msg, m.Shutdown):
             yield f"run complete after {self.rounds} averages"
-        if isinstance(msg, m.Hello | m.Rejoin):
-            self.dead.discard(msg.rank if isinstance(msg, m.Hello) else msg.hello.rank)
+
+    def _arrival(self, msg: m.Hello | m.Rejoin) -> str:
+        hello = msg.hello if isinstance(msg, m.Rejoin) else msg
+        self.dead.discard(hello.rank)
+        back = isinstance(msg, m.Rejoin) or hello.rank in self.joined
+        self.joined.add(hello.rank)
+        if back:  # a restart with nothing acked yet says Hello rather than Rejoin
+            return (f"rank {hello.rank} came back (generation {hello.generation}, "
+                    f"{hello.host}) and asks to rejoin")
+        return f"rank {hello.rank} joined (generation {hello.generation}, {hello.host}, " \
+            f"{hello.device})"
 
 
 def _epoch(msg: m.EpochAggregated, _rank: int | None) -> str:
@@ -85,10 +96,6 @@ def _epoch(msg: m.EpochAggregated, _rank: int | None) -> str:
 
 # messages told the same way whatever came before
 _PLAIN: dict[type, Callable[[Any, int | None], str | None]] = {
-    m.Hello: lambda x, _r: f"rank {x.rank} joined (generation {x.generation}, {x.host}, "
-                           f"{x.device})",
-    m.Rejoin: lambda x, _r: f"rank {x.hello.rank} came back (generation "
-                            f"{x.hello.generation}, {x.hello.host}) and asks to rejoin",
     m.Accept: lambda x, _r: f"rank {x.rank} admitted (world size {x.world_size})",
     m.Reject: lambda x, r: f"rank {r} rejected: {x.reason}",
     m.EpochAggregated: _epoch,

@@ -72,8 +72,9 @@ class Series:
         self._membership(t, msg)
 
     def _membership(self, t: float, msg: Any) -> None:
-        if isinstance(msg, m.Hello):
-            self.events.append((t, f"rank {msg.rank} joined"))
+        if isinstance(msg, m.Hello):  # a restart with nothing acked yet says Hello again
+            seen = any(w == f"rank {msg.rank} joined" for _, w in self.events)
+            self.events.append((t, f"rank {msg.rank} {'rejoined' if seen else 'joined'}"))
         elif isinstance(msg, m.Rejoin):
             self.events.append((t, f"rank {msg.hello.rank} rejoined"))
         elif isinstance(msg, m.DeclareDead) and (t, f"rank {msg.rank} dead") not in \

@@ -52,11 +52,11 @@ def test_the_report_of_a_recorded_run_renders_in_chromium(broker: EmbeddedBroker
     ledger.mkdir()
     job = start_job(broker.url, tmp_path, spec("chaos"), workers=2, job="shown",
                     coordinator_args=["--policy", "cadence"],
-                    worker_args={r: ["--slowdown", "3"] for r in range(2)},
-                    env={"LEDGER_DIR": str(ledger), "CHAOS_EPOCHS": "6"})
+                    worker_args={r: ["--slowdown", "6"] for r in range(2)},
+                    env={"LEDGER_DIR": str(ledger), "CHAOS_EPOCHS": "16"})
     try:
         deadline = time.monotonic() + 120
-        while epochs_trained(ledger, 1) < 2:
+        while epochs_trained(ledger, 1) < 1:
             assert time.monotonic() < deadline, job.dump()
             time.sleep(0.05)  # poll interval of a deadline-bound wait
         job.procs["rank-1"].send_signal(signal.SIGKILL)  # a death on the timeline
@@ -82,7 +82,7 @@ def test_the_report_of_a_recorded_run_renders_in_chromium(broker: EmbeddedBroker
     assert dom.returncode == 0, dom.stderr[-2000:]
     loaded = dict(re.findall(r'data-plot="(\w+)"[^>]*data-loaded="(\w+)"', dom.stdout))
     assert loaded == dict.fromkeys(PLOTS, "yes"), dom.stdout[-3000:]
-    for needle in ("rank 1 dead", "rank 1 rejoined", "<th>epochs</th><td>6</td>"):
+    for needle in ("rank 1 dead", "rank 1 rejoined", "<th>epochs</th><td>16</td>"):
         assert needle in dom.stdout
     shot = tmp_path / "shot.png"
     taken = chromium(f"--screenshot={shot}", "--window-size=1000,2600",

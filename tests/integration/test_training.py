@@ -109,7 +109,12 @@ def test_slow_rank_under_cadence_and_sync(broker: EmbeddedBroker, tmp_path: Path
         shares[policy] = job.wait()
     cadence, sync = shares["cadence"], shares["sync"]
     ratio = cadence["batches"]["0"] / cadence["batches"]["1"]
-    assert 2.5 * 0.8 <= ratio <= 2.5 * 1.2, cadence["batches"]
+    # El Che gives each rank work in proportion to its measured speed (ms per batch), which
+    # is ~2.5x apart here, more when the machine is loaded: compare with what it measured
+    ms = {r: cadence["compute_ms"][r] / cadence["batches"][r] for r in ("0", "1")}
+    measured = ms["1"] / ms["0"]
+    assert ratio > 1.8, cadence["batches"]
+    assert 0.75 * measured <= ratio <= 1.33 * measured, (cadence["batches"], ms)
     assert cadence["rounds"] * 10 < sync["rounds"]
     # sync: equal work, so the fast rank computes ~1/2.5 of the time and idles the rest
     assert sync["batches"]["0"] == sync["batches"]["1"]
