@@ -76,6 +76,8 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/* environment every ddpbus container shares */}}
 {{- define "ddpbus.commonEnv" -}}
+- name: HOME  # the root filesystem is read-only: caches (torch, matplotlib) go to /tmp
+  value: /tmp
 - name: DDPBUS_JOB
   value: {{ include "ddpbus.job" . | quote }}
 {{ include "ddpbus.natsUrlEnv" . }}
