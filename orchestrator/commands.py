@@ -176,6 +176,20 @@ def add_parsers(sub: Any) -> None:
     _add_report(sub)
 
 
+def _reader_flags(p: argparse.ArgumentParser) -> None:
+    """What every command that reads a job needs: which job, where, and its key (which
+    verifies every message and the coordinator's snapshot)."""
+    p.add_argument("--job", type=_job, help="job name (env DDPBUS_JOB)")
+    p.add_argument("--nats", help="NATS URL (env DDPBUS_NATS_URL)")
+    p.add_argument("--key-file", type=Path, help="the job key (env DDPBUS_KEY_FILE)")
+
+
+def _reader(args: argparse.Namespace, command: str) -> bytes:
+    """Check a reading command's settings; returns the job key."""
+    _require(args, [("--job", "job"), ("--nats", "nats")], command)
+    return read_key(args.key_file)
+
+
 def _add_sub(sub: Any) -> None:
     watch = sub.add_parser("sub", help="show a job's traffic, decoded",
                            description="Like `nats sub`, but every message is verified with "
@@ -184,9 +198,7 @@ def _add_sub(sub: Any) -> None:
                            "JSON lines. Live unless --since reads the job's stream.")
     watch.add_argument("subject", nargs="?", help="subject or wildcard inside the job "
                        "(default ddpbus.<job>.>)")
-    watch.add_argument("--job", type=_job, help="job name (env DDPBUS_JOB)")
-    watch.add_argument("--nats", help="NATS URL (env DDPBUS_NATS_URL)")
-    watch.add_argument("--key-file", type=Path, help="the job key (env DDPBUS_KEY_FILE)")
+    _reader_flags(watch)
     watch.add_argument("--rank", type=_nonneg, help="only this rank's messages")
     watch.add_argument("--type", help="only this message type (Batch or TimingMsg.Batch)")
     watch.add_argument("--json", action="store_true", help="JSON lines")
@@ -203,18 +215,14 @@ def _add_status(sub: Any) -> None:
                             "members (generation, liveness, batch share), El Che anchor and "
                             "counts, last checkpoint, leader lease and stream, from its KV "
                             "bucket and stream. Reads only.")
-    status.add_argument("--job", type=_job, help="job name (env DDPBUS_JOB)")
-    status.add_argument("--nats", help="NATS URL (env DDPBUS_NATS_URL)")
-    status.add_argument("--key-file", type=Path, help="the job key, to verify the "
-                        "coordinator's snapshot (env DDPBUS_KEY_FILE)")
+    _reader_flags(status)
     status.add_argument("--json", action="store_true", help="JSON instead of text")
 
 
 def run_status(args: argparse.Namespace) -> int:
     from ddpbus.orchestrator import status
 
-    _require(args, [("--job", "job"), ("--nats", "nats")], "status")
-    key = read_key(args.key_file)
+    key = _reader(args, "status")
     return asyncio.run(status.show(args.nats, args.job, key, as_json=args.json))
 
 
@@ -224,9 +232,7 @@ def _add_replay(sub: Any) -> None:
                             "admissions, sessions, averages, epochs, evals, bundles, deaths, "
                             "rejoins, exits and the end, each line stamped with the time "
                             "since the run began.")
-    replay.add_argument("--job", type=_job, help="job name (env DDPBUS_JOB)")
-    replay.add_argument("--nats", help="NATS URL (env DDPBUS_NATS_URL)")
-    replay.add_argument("--key-file", type=Path, help="the job key (env DDPBUS_KEY_FILE)")
+    _reader_flags(replay)
     replay.add_argument("--speed", type=_speed, help="X times the recorded pace (default: "
                         "as fast as it reads; 1 = real time)")
 
@@ -237,9 +243,7 @@ def _add_report(sub: Any) -> None:
                             "page with PNG plots (loss and eval per epoch, per-rank "
                             "throughput, batch share, anchor and averaging interval, "
                             "divergence, membership events).")
-    report.add_argument("--job", type=_job, help="job name (env DDPBUS_JOB)")
-    report.add_argument("--nats", help="NATS URL (env DDPBUS_NATS_URL)")
-    report.add_argument("--key-file", type=Path, help="the job key (env DDPBUS_KEY_FILE)")
+    _reader_flags(report)
     report.add_argument("--out", type=Path, help="directory for index.html and the plots "
                         "(default ./ddpbus-report-<job>)")
 
@@ -247,8 +251,7 @@ def _add_report(sub: Any) -> None:
 def run_report(args: argparse.Namespace) -> int:
     from ddpbus.orchestrator import report
 
-    _require(args, [("--job", "job"), ("--nats", "nats")], "report")
-    key = read_key(args.key_file)
+    key = _reader(args, "report")
     out = args.out or Path(f"ddpbus-report-{args.job}")
     index = asyncio.run(report.build(args.nats, args.job, key, out))
     print(index)
@@ -265,8 +268,7 @@ def _speed(text: str) -> float:
 def run_replay(args: argparse.Namespace) -> int:
     from ddpbus.orchestrator import replay
 
-    _require(args, [("--job", "job"), ("--nats", "nats")], "replay")
-    key = read_key(args.key_file)
+    key = _reader(args, "replay")
     return asyncio.run(replay.replay(args.nats, args.job, key, speed=args.speed))
 
 
@@ -280,8 +282,7 @@ def _positive_int(text: str) -> int:
 def run_sub(args: argparse.Namespace) -> int:
     from ddpbus.orchestrator import watch
 
-    _require(args, [("--job", "job"), ("--nats", "nats")], "sub")
-    key = read_key(args.key_file)
+    key = _reader(args, "sub")
     return asyncio.run(watch.from_args(args, key).run())
 
 

@@ -120,20 +120,25 @@ def test_the_chart_readme_names_every_value() -> None:
 
 def test_the_dockerfile_is_what_a_reviewer_expects() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    stages = re.split(r"(?m)^FROM ", text)[1:]
-    assert [s.split()[2] for s in stages] == ["cpu", "gpu"]
-    for stage in stages:
-        image = stage.split()[0]
+    stages = {s.split()[2]: s for s in re.split(r"(?m)^FROM ", text)[1:]}
+    assert list(stages) == ["src", "base-cpu", "base-gpu", "image"]
+    assert stages["src"].split()[0] == "scratch"  # the sources, gathered once
+    assert re.search(r"(?m)^ARG FLAVOR=cpu$", text)
+    assert stages["image"].split()[0] == "base-${FLAVOR}"
+    for name in ("base-cpu", "base-gpu"):
+        image = stages[name].split()[0]
         assert ":" in image, f"{image} is not pinned to a tag"
         assert not image.endswith(":latest")
-        assert "-c constraints.txt" in stage, "install without the pinned constraints"
-        lines = [x.strip() for x in stage.splitlines()]
-        user = max(i for i, x in enumerate(lines) if x.startswith("USER "))
-        entry = max(i for i, x in enumerate(lines) if x.startswith("ENTRYPOINT "))
-        assert user < entry, "the entrypoint must run as the non-root user"
-        assert lines[user] == "USER 10001:10001"
-        assert lines[entry] == 'ENTRYPOINT ["ddpbus"]'
-        assert not re.search(r"(?m)^ADD\s+https?://", stage), "ADD of a URL"
-        assert "COPY examples/ /opt/ddpbus/examples/" in stage  # the chart's default spec
-    assert "download.pytorch.org/whl/cpu" in stages[0]
-    assert "nvidia/cuda:" in stages[1].split()[0]
+    assert stages["base-cpu"].split()[0].startswith("python:3.11")
+    assert "download.pytorch.org/whl/cpu" in stages["base-cpu"]
+    assert stages["base-gpu"].split()[0].startswith("nvidia/cuda:")
+    final = stages["image"]
+    assert "-c constraints.txt" in final, "install without the pinned constraints"
+    lines = [x.strip() for x in final.splitlines()]
+    user = max(i for i, x in enumerate(lines) if x.startswith("USER "))
+    entry = max(i for i, x in enumerate(lines) if x.startswith("ENTRYPOINT "))
+    assert user < entry, "the entrypoint must run as the non-root user"
+    assert lines[user] == "USER 10001:10001"
+    assert lines[entry] == 'ENTRYPOINT ["ddpbus"]'
+    assert "COPY --from=src /src/examples/ /opt/ddpbus/examples/" in final  # default spec
+    assert not re.search(r"(?m)^ADD\s+https?://", text), "ADD of a URL"

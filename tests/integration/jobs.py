@@ -187,3 +187,40 @@ class LiveTap:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(30)
+
+
+def chaos_job(url: str, tmp: Path, job: str, *, epochs: int, slowdown: float,
+              workers: int = 2, coordinator_args: list[str] | None = None) -> tuple[Job, Path]:
+    """The ledgered digits spec (tests/integration/specs/chaos.py) under cadence, every rank
+    ``slowdown`` times slower so the run lasts; returns the job and its sample ledger."""
+    ledger = tmp / "ledger"
+    ledger.mkdir(parents=True, exist_ok=True)
+    run = start_job(url, tmp, spec("chaos"), workers=workers, job=job,
+                    coordinator_args=["--policy", "cadence", *(coordinator_args or [])],
+                    worker_args={r: ["--slowdown", str(slowdown)] for r in range(workers)},
+                    env={"LEDGER_DIR": str(ledger), "CHAOS_EPOCHS": str(epochs)})
+    return run, ledger
+
+
+def epochs_trained(ledger: Path, rank: int) -> int:
+    """Epochs of which ``rank`` has trained at least one sample, by its ledger."""
+    path = ledger / f"rank-{rank}.txt"
+    text = path.read_text() if path.exists() else ""
+    return len({line.split()[0] for line in text.splitlines() if len(line.split()) == 3})
+
+
+def kill_and_restart(run: Job, ledger: Path, rank: int, *, after_epochs: int) -> None:
+    """SIGKILL ``rank`` once it trained ``after_epochs`` epochs, start it again at once
+    (logging to ``rank-<N>b``), and wait for every process: the killed one by the signal,
+    every other one cleanly."""
+    deadline = time.monotonic() + 120
+    while epochs_trained(ledger, rank) < after_epochs:
+        assert time.monotonic() < deadline, run.dump()
+        time.sleep(0.05)  # poll interval of a deadline-bound wait
+    victim = run.procs[f"rank-{rank}"]
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(10)
+    run.respawn(f"rank-{rank}", f"rank-{rank}b")
+    for p in run.procs.values():
+        p.wait(180)
+        assert p.returncode == (-signal.SIGKILL if p is victim else 0), run.dump()

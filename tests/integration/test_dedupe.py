@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import spec, start_job
+from jobs import chaos_job
 from nats.js.api import StreamConfig
 from nats.js.errors import NotFoundError
 
@@ -54,12 +54,7 @@ async def store_copies(url: str, job: str, subject: str, count: int) -> int:
 
 
 def test_copies_stored_twice_change_nothing(broker: EmbeddedBroker, tmp_path: Path) -> None:
-    ledger = tmp_path / "ledger"
-    ledger.mkdir()
-    job = start_job(broker.url, tmp_path, spec("chaos"), workers=2, job="dup",
-                    coordinator_args=["--policy", "cadence"],
-                    worker_args={0: ["--slowdown", "2"], 1: ["--slowdown", "2"]},
-                    env={"LEDGER_DIR": str(ledger), "CHAOS_EPOCHS": "6"})
+    job, _ = chaos_job(broker.url, tmp_path, "dup", epochs=6, slowdown=2)
     try:
         copies = asyncio.run(store_copies(broker.url, "dup", "ddpbus.dup.metrics.rank.0", 2))
         copies += asyncio.run(store_copies(broker.url, "dup", "ddpbus.dup.timing.rank.1", 5))

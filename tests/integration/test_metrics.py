@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from jobs import spec, start_job
+from jobs import chaos_job
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddpbus.codecs import Encoder
@@ -48,13 +48,9 @@ async def forge(url: str) -> None:
 
 
 def test_metrics_during_a_run(broker: EmbeddedBroker, tmp_path: Path) -> None:
-    ledger = tmp_path / "ledger"
-    ledger.mkdir()
-    job = start_job(broker.url, tmp_path, spec("chaos"), workers=2, job="scraped",
-                    coordinator_args=["--policy", "cadence", "--metrics-port", "0",
-                                      "--report", str(tmp_path / "report")],
-                    worker_args={0: ["--slowdown", "3"], 1: ["--slowdown", "3"]},
-                    env={"LEDGER_DIR": str(ledger), "CHAOS_EPOCHS": "8"})
+    job, _ = chaos_job(broker.url, tmp_path, "scraped", epochs=8, slowdown=3,
+                       coordinator_args=["--metrics-port", "0",
+                                         "--report", str(tmp_path / "report")])
     try:
         deadline = time.monotonic() + 120
         while (found := SERVING.search(job.log("coordinator"))) is None:

@@ -3,25 +3,17 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from jobs import spec, start_job
+from jobs import chaos_job, kill_and_restart
 
 from ddpbus.orchestrator.broker import EmbeddedBroker
 
 pytestmark = pytest.mark.timeout(240)
 CLI = [sys.executable, "-m", "ddpbus.orchestrator.cli", "replay"]
-
-
-def epochs_trained(ledger: Path, rank: int) -> int:
-    path = ledger / f"rank-{rank}.txt"
-    text = path.read_text() if path.exists() else ""
-    return len({line.split()[0] for line in text.splitlines() if len(line.split()) == 3})
 
 
 def replay(url: str, key_file: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -33,23 +25,9 @@ def replay(url: str, key_file: Path, *args: str) -> subprocess.CompletedProcess[
 
 def test_replay_tells_a_run_with_a_death_and_a_rejoin(broker: EmbeddedBroker,
                                                       tmp_path: Path) -> None:
-    ledger = tmp_path / "ledger"
-    ledger.mkdir()
-    slow = {r: ["--slowdown", "6"] for r in range(2)}  # long enough for the restart to rejoin
-    job = start_job(broker.url, tmp_path, spec("chaos"), workers=2, job="told",
-                    coordinator_args=["--policy", "cadence"], worker_args=slow,
-                    env={"LEDGER_DIR": str(ledger), "CHAOS_EPOCHS": "16"})
+    job, ledger = chaos_job(broker.url, tmp_path, "told", epochs=16, slowdown=6)  # lasts
     try:
-        deadline = time.monotonic() + 120
-        while epochs_trained(ledger, 1) < 1:
-            assert time.monotonic() < deadline, job.dump()
-            time.sleep(0.05)  # poll interval of a deadline-bound wait
-        job.procs["rank-1"].send_signal(signal.SIGKILL)
-        job.procs["rank-1"].wait(10)
-        job.respawn("rank-1", "rank-1b")
-        for name, p in job.procs.items():
-            p.wait(180)
-            assert p.returncode == (-signal.SIGKILL if name == "rank-1" else 0), job.dump()
+        kill_and_restart(job, ledger, 1, after_epochs=1)  # a death and a rejoin
     finally:
         job.kill()
     summary = job.wait_summary()

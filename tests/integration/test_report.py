@@ -6,14 +6,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from jobs import spec, start_job
+from jobs import chaos_job, kill_and_restart
 from PIL import Image
 
 from ddpbus.orchestrator.broker import EmbeddedBroker
@@ -40,31 +38,11 @@ def drawn(path: Path) -> int:
     return len(colours or [])
 
 
-def epochs_trained(ledger: Path, rank: int) -> int:
-    path = ledger / f"rank-{rank}.txt"
-    text = path.read_text() if path.exists() else ""
-    return len({line.split()[0] for line in text.splitlines() if len(line.split()) == 3})
-
-
 def test_the_report_of_a_recorded_run_renders_in_chromium(broker: EmbeddedBroker,
                                                          tmp_path: Path) -> None:
-    ledger = tmp_path / "ledger"
-    ledger.mkdir()
-    job = start_job(broker.url, tmp_path, spec("chaos"), workers=2, job="shown",
-                    coordinator_args=["--policy", "cadence"],
-                    worker_args={r: ["--slowdown", "6"] for r in range(2)},
-                    env={"LEDGER_DIR": str(ledger), "CHAOS_EPOCHS": "16"})
+    job, ledger = chaos_job(broker.url, tmp_path, "shown", epochs=16, slowdown=6)
     try:
-        deadline = time.monotonic() + 120
-        while epochs_trained(ledger, 1) < 1:
-            assert time.monotonic() < deadline, job.dump()
-            time.sleep(0.05)  # poll interval of a deadline-bound wait
-        job.procs["rank-1"].send_signal(signal.SIGKILL)  # a death on the timeline
-        job.procs["rank-1"].wait(10)
-        job.respawn("rank-1", "rank-1b")  # and a rejoin
-        for name, p in job.procs.items():
-            p.wait(180)
-            assert p.returncode == (-signal.SIGKILL if name == "rank-1" else 0), job.dump()
+        kill_and_restart(job, ledger, 1, after_epochs=1)  # a death and a rejoin to draw
     finally:
         job.kill()
     out = tmp_path / "report"

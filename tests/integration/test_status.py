@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import KEY, spec, start_job
+from jobs import KEY, chaos_job, spec, start_job
 
 from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
 
@@ -34,12 +34,7 @@ def doc(url: str, key_file: Path) -> dict[str, Any]:
 
 
 def test_status_of_a_live_run_and_of_its_end(broker: EmbeddedBroker, tmp_path: Path) -> None:
-    ledger = tmp_path / "ledger"
-    ledger.mkdir()
-    job = start_job(broker.url, tmp_path, spec("chaos"), workers=2, job="watched",
-                    coordinator_args=["--policy", "cadence"],
-                    worker_args={0: ["--slowdown", "3"], 1: ["--slowdown", "3"]},
-                    env={"LEDGER_DIR": str(ledger), "CHAOS_EPOCHS": "8"})
+    job, _ = chaos_job(broker.url, tmp_path, "watched", epochs=8, slowdown=3)
     key_file = tmp_path / "job.key"
     try:
         deadline = time.monotonic() + 120
