@@ -32,6 +32,7 @@ VALUE_SETS: dict[str, list[str]] = {
     "existing-key": ["jobKey.existingSecret=my-job-key"],
     "service-monitor": ["coordinator.metrics.serviceMonitor.enabled=true"],
     "bundle-volume": ["worker.bundleClaim=bundles-rwx", "training.resume=old-job"],
+    "wire-json": ["training.wireJson=true"],
 }
 
 
@@ -62,6 +63,9 @@ def test_lint_render_and_validate(helm: Path, name: str) -> None:
     c = container(coord)
     assert c["command"] == ["ddpbus"]
     assert c["args"][:2] == ["coordinator", "--standby"]
+    json_wire = "training.wireJson=true" in sets
+    assert ("--wire-json" in c["args"]) is json_wire
+    assert ("--wire-json" in w["args"]) is json_wire
     assert coord["spec"]["replicas"] == (2 if "coordinator.replicas=2" in sets else 1)
     bundled = "nats.bundled=false" not in sets
     url = env(c)["DDPBUS_NATS_URL"]

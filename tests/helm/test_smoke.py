@@ -64,7 +64,8 @@ def test_the_rendered_containers_train_a_job(helm: Path, tmp_path: Path, nats: s
             "training.epochs=3", f"coordinator.metrics.port={free_port()}", "job=smoke"]
     config = None
     if nats != "bundled":  # a server that wants a password, the URL from a Secret
-        sets += ["nats.bundled=false", "nats.urlSecret.name=nats-url"]
+        sets += ["nats.bundled=false", "nats.urlSecret.name=nats-url",
+                 "training.wireJson=true"]  # and proto3 JSON on the wire
         config = tmp_path / "auth.conf"
         config.write_text(AUTH)
     with EmbeddedBroker(BrokerConfig(store_dir=tmp_path / "store", config_file=config)) as b:

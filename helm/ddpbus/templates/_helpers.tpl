@@ -117,6 +117,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{- define "ddpbus.trainingArgs" -}}
+{{- if .Values.training.wireJson }}
+- --wire-json
+{{- end }}
 - --policy={{ .Values.training.policy }}
 - --backend={{ .Values.training.backend }}
 {{- with .Values.training.epochs }}
