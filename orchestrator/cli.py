@@ -135,8 +135,10 @@ def merge_env(parser: argparse.ArgumentParser, args: argparse.Namespace,
     return args
 
 
-def _wait_for_signal() -> int:
-    """Block until SIGINT or SIGTERM; return the signal number."""
+def _catch_stop_signals() -> Callable[[], int]:
+    """Catch SIGINT and SIGTERM from now on; returns a wait for the first one (its number).
+    Installed before anything is announced, so a signal right after the announcement is
+    never the default action (death by signal)."""
     got = threading.Event()
     which: list[int] = []
 
@@ -146,8 +148,12 @@ def _wait_for_signal() -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
-    got.wait()
-    return which[0]
+
+    def wait() -> int:
+        got.wait()
+        return which[0]
+
+    return wait
 
 
 def run_broker(args: argparse.Namespace) -> int:
@@ -160,13 +166,14 @@ def run_broker(args: argparse.Namespace) -> int:
         monitor_port=args.monitor_port,
     )
     broker = EmbeddedBroker(config)
+    wait_for_stop = _catch_stop_signals()
     broker.start()
     try:
         sys.stdout.write(broker.url + "\n")
         sys.stdout.flush()
         log.info("nats-server %s ready at %s (store %s, log %s)", broker.binary, broker.url,
                  broker.store_dir, broker.log_path)
-        signum = _wait_for_signal()
+        signum = wait_for_stop()
         log.info("received %s; stopping nats-server", signal.Signals(signum).name)
     finally:
         rc = broker.stop()
