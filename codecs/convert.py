@@ -266,11 +266,18 @@ def _intent_from_wire(w: Any) -> m.Intent:
 
 
 def _snapshot_ready_to_wire(x: m.SnapshotReady) -> pb.TimingMsg:
-    return _T(snapshot_ready=_T.SnapshotReady(rank=x.rank))
+    return _T(snapshot_ready=_T.SnapshotReady(
+        rank=x.rank, version=x.version, mass=x.mass, step_count=x.step_count,
+        digest=x.digest, nbytes=x.nbytes))
 
 
 def _snapshot_ready_from_wire(w: Any) -> m.SnapshotReady:
-    return m.SnapshotReady(rank=w.rank)
+    if not (0.0 <= w.mass < float("inf")) or (w.mass > 0) != bool(w.digest):
+        raise InvalidField(f"SnapshotReady mass={w.mass} with digest={w.digest!r}: a positive "
+                           "finite mass needs a stored object, mass 0 has none",
+                           msg_type="SnapshotReady")
+    return m.SnapshotReady(rank=w.rank, version=w.version, mass=w.mass,
+                           step_count=w.step_count, digest=w.digest, nbytes=w.nbytes)
 
 
 def _nccl_id_to_wire(x: m.NewNcclIdGenerated) -> pb.TimingMsg:
@@ -334,22 +341,27 @@ def _epoch_fn_from_wire(w: Any) -> m.EpochFnElapsed:
 # -------------------------------------------------------------------------- control
 
 
-def _request_params_to_wire(_: m.RequestParams) -> pb.ControlMsg:
-    return _C(request_params=_C.RequestParams())
+def _request_params_to_wire(x: m.RequestParams) -> pb.ControlMsg:
+    return _C(request_params=_C.RequestParams(version=x.version))
 
 
-def _request_params_from_wire(_: Any) -> m.RequestParams:
-    return m.RequestParams()
+def _request_params_from_wire(w: Any) -> m.RequestParams:
+    return m.RequestParams(version=w.version)
 
 
 def _update_to_wire(x: m.Update) -> pb.ControlMsg:
     plan = None if x.next_plan is None else plan_to_wire(x.next_plan)
-    return _C(update=_C.Update(version=x.version, next_plan=plan))
+    return _C(update=_C.Update(version=x.version, next_plan=plan, realized=x.realized,
+                               accepted=x.accepted))
 
 
 def _update_from_wire(w: Any) -> m.Update:
     plan = plan_from_wire(w.next_plan) if w.HasField("next_plan") else None
-    return m.Update(version=w.version, next_plan=plan)
+    if not w.realized and w.accepted:
+        raise InvalidField("Update accepts contributions of a round it says was not realized",
+                           msg_type="Update")
+    return m.Update(version=w.version, next_plan=plan, realized=w.realized,
+                    accepted=tuple(w.accepted))
 
 
 def _sync_now_to_wire(_: m.SyncNow) -> pb.ControlMsg:
@@ -638,6 +650,7 @@ _BACKEND_TO_WIRE: Final = {
     m.Backend.AUTO: pb.BACKEND_AUTO,
     m.Backend.NCCL: pb.BACKEND_NCCL,
     m.Backend.GLOO: pb.BACKEND_GLOO,
+    m.Backend.BROKER: pb.BACKEND_BROKER,
 }
 _BACKEND_FROM_WIRE: Final = {v: k for k, v in _BACKEND_TO_WIRE.items()}
 
@@ -656,6 +669,8 @@ def run_config_to_wire(x: m.RunConfig) -> pb.RunConfig:
         coordinator_timeout_s=x.coordinator_timeout_s,
         progressive=x.progressive,
         collective_timeout_s=x.collective_timeout_s,
+        easgd_alpha=x.easgd_alpha,
+        bf16_wire=x.bf16_wire,
     )
 
 
@@ -666,9 +681,10 @@ def run_config_from_wire(w: pb.RunConfig) -> m.RunConfig:
         raise InvalidField(f"RunConfig policy={w.policy} backend={w.backend} is not a known "
                            "pair", msg_type="RunConfig")
     if (w.batch_size < 1 or not w.coordinator_timeout_s > 0
-            or not 0 <= w.collective_timeout_s < float("inf")):
-        raise InvalidField("RunConfig needs batch_size >= 1, coordinator_timeout_s > 0 and "
-                           "a finite collective_timeout_s >= 0",
+            or not 0 <= w.collective_timeout_s < float("inf")
+            or not 0 <= w.easgd_alpha <= 1):
+        raise InvalidField("RunConfig needs batch_size >= 1, coordinator_timeout_s > 0, "
+                           "a finite collective_timeout_s >= 0 and easgd_alpha in [0, 1]",
                            msg_type="RunConfig")
     return m.RunConfig(
         policy=policy,
@@ -683,6 +699,8 @@ def run_config_from_wire(w: pb.RunConfig) -> m.RunConfig:
         coordinator_timeout_s=w.coordinator_timeout_s,
         progressive=w.progressive,
         collective_timeout_s=w.collective_timeout_s,
+        easgd_alpha=w.easgd_alpha or 1.0,
+        bf16_wire=w.bf16_wire,
     )
 
 

@@ -114,6 +114,7 @@ class Backend(enum.Enum):
     AUTO = "auto"
     NCCL = "nccl"
     GLOO = "gloo"
+    BROKER = "broker"  # snapshots reduced off the training path, through the NATS broker
 
 
 # --------------------------------------------------------------------- structures
@@ -241,7 +242,15 @@ class Intent:
 @_fast_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SnapshotReady:
+    """Broker path: round ``version``'s contribution of ``rank`` is stored (mass 0: declared,
+    nothing stored)."""
+
     rank: int
+    version: int = 0
+    mass: float = 0.0  # n^gamma, the factor the stored tensors were multiplied by
+    step_count: int = 0  # the rank's local step at the snapshot
+    digest: str = ""  # "SHA-256=<base64>" of the stored object
+    nbytes: int = 0
 
 
 @_fast_init
@@ -300,7 +309,9 @@ TimingMsg = (
 @_fast_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RequestParams:
-    """Broker-path reduce trigger: snapshot parameters and ship them."""
+    """Broker-path reduce trigger: snapshot parameters for round ``version`` and ship them."""
+
+    version: int = 0
 
 
 @_fast_init
@@ -310,6 +321,8 @@ class Update:
 
     version: int
     next_plan: EpochPlan | None = None
+    realized: bool = True  # False: nothing was averaged (no mass, or no snapshot arrived)
+    accepted: tuple[int, ...] = ()  # ranks whose contribution is in the consensus
 
 
 @_fast_init
@@ -529,6 +542,8 @@ class RunConfig:
     coordinator_timeout_s: float = 30.0
     progressive: bool = False
     collective_timeout_s: float = 0.0  # 0: torch.distributed's default
+    easgd_alpha: float = 1.0  # broker backend: W += alpha * (consensus - snapshot)
+    bf16_wire: bool = False  # broker backend: tensors travel as bfloat16
 
 
 @_fast_init

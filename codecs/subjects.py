@@ -156,6 +156,11 @@ def kv_bucket(job: str) -> str:
     return f"ddpbus_{check_job(job)}"
 
 
+def rounds_bucket(job: str) -> str:
+    """The Object Store bucket of the broker backend's averaging rounds."""
+    return f"{kv_bucket(job)}_rounds"
+
+
 def stream_subjects(job: str) -> list[str]:
     """What the job's stream captures: every ``storage == "stream"`` subject."""
     return [s.wildcard(job) for s in SUBJECTS if s.storage == "stream"]

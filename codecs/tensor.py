@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import struct
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -184,3 +184,49 @@ class TensorAssembler:
     @property
     def complete(self) -> bool:
         return len(self._seen) == self.chunk_count
+
+
+# ------------------------------------------------------------------ tensor blobs
+
+_FRAME_LEN = struct.Struct("<Q")
+MAX_BLOB_TENSORS: Final = 4096
+
+
+def pack_tensors(tensors: Sequence[tuple[str, str, tuple[int, ...], memoryview | bytes]], *,
+                 version: int = 0) -> bytes:
+    """Several tensors in one blob (an Object Store object): ``u64 LE length ‖ frame`` per
+    tensor, each a whole single-chunk frame. ``tensors`` holds ``(name, dtype, shape,
+    little-endian bytes)``. The bytes are copied once, into the blob."""
+    parts: list[bytes] = []
+    for name, dtype, shape, data in tensors:
+        view = memoryview(data).cast("B")
+        (frame,) = encode_frames(name, dtype, shape, view, version=version,
+                                 max_payload=view.nbytes + MAX_HEADER_BYTES + _LEN.size)
+        parts += (_FRAME_LEN.pack(len(frame)), frame)
+    return b"".join(parts)
+
+
+def unpack_tensors(blob: bytes | bytearray | memoryview) -> dict[str, TensorChunk]:
+    """The tensors of a :func:`pack_tensors` blob by name, each a zero-copy view into it.
+    Truncated, padded, split or repeated tensors are refused."""
+    view = memoryview(blob).cast("B")
+    out: dict[str, TensorChunk] = {}
+    at = 0
+    while at < view.nbytes:
+        if at + _FRAME_LEN.size > view.nbytes or len(out) >= MAX_BLOB_TENSORS:
+            raise MalformedPayload(f"tensor blob: trailing {view.nbytes - at} bytes or more "
+                                   f"than {MAX_BLOB_TENSORS} tensors", msg_type=TYPE_NAME)
+        (size,) = _FRAME_LEN.unpack_from(view, at)
+        at += _FRAME_LEN.size
+        if size > view.nbytes - at:
+            raise MalformedPayload(f"tensor blob: a frame of {size} bytes runs past the end",
+                                   msg_type=TYPE_NAME)
+        chunk = decode_frame(view[at:at + size])
+        at += size
+        if chunk.chunk_count != 1 or chunk.data.nbytes != chunk.total_bytes:
+            raise InvalidField(f"tensor blob: {chunk.name!r} is not one whole frame",
+                               msg_type=TYPE_NAME)
+        if chunk.name in out:
+            raise InvalidField(f"tensor blob: {chunk.name!r} appears twice", msg_type=TYPE_NAME)
+        out[chunk.name] = chunk
+    return out

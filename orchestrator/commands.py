@@ -44,7 +44,7 @@ ENV_VARS: dict[str, dict[str, str]] = {
 }
 
 POLICIES = ("sync", "cadence", "async")
-BACKENDS = ("auto", "nccl", "gloo")
+BACKENDS = ("auto", "nccl", "gloo", "broker")
 
 
 def _nonneg(text: str) -> int:

@@ -50,6 +50,11 @@ class Schedule:
     # averaging (C.3) and LR (C.11)
     gamma: float = 1.0
     lr_scale_ratio: float = 1.0
+    # the broker backend (C.3 CPU path): EASGD blend, bf16 tensors on the wire, and how long
+    # a round waits for snapshots before the late ranks' share is soft-aborted (retried)
+    easgd_alpha: float | None = None  # None: 0.5 for async on the broker backend, else 1
+    bf16_wire: bool = False
+    snapshot_timeout: timedelta = field(default=timedelta(seconds=10))
     # dispatch (C.5): None = on for cadence/async, off for sync
     progressive: bool | None = None
     # liveness (D.2)
@@ -88,6 +93,14 @@ class Schedule:
     def effective_relax_up(self) -> bool:
         return (self.policy is Policy.ASYNC) if self.relax_up is None else self.relax_up
 
+    @property
+    def effective_easgd_alpha(self) -> float:
+        """1 overwrites (plain averaging); below 1 each rank moves that share of the way
+        toward the consensus (EASGD, reference C.3: default 0.5 for async on the broker)."""
+        if self.easgd_alpha is not None:
+            return self.easgd_alpha
+        return 0.5 if self.policy is Policy.ASYNC and self.backend is Backend.BROKER else 1.0
+
     def overshoot(self, epoch_batches: int) -> int:
         """Async lookahead per window (C.5): ``clamp(batches / 100, 2, 5)`` unless set."""
         if self.policy is not Policy.ASYNC:
@@ -106,6 +119,7 @@ class Schedule:
             coordinator_timeout_s=self.coordinator_timeout.total_seconds(),
             progressive=self.effective_progressive,
             collective_timeout_s=self.effective_collective_timeout.total_seconds(),
+            easgd_alpha=self.effective_easgd_alpha, bf16_wire=self.bf16_wire,
         )
 
     @property
@@ -209,6 +223,9 @@ _PARSERS: Final[dict[str, Callable[[Any], Any]]] = {
     "divergence_threshold": _float,
     "gamma": _float,
     "lr_scale_ratio": _float,
+    "easgd_alpha": _optional(_float),
+    "bf16_wire": _bool,
+    "snapshot_timeout": _seconds,
     "progressive": _optional(_bool),
     "heartbeat_timeout": _seconds,
     "coordinator_timeout": _seconds,
@@ -244,6 +261,17 @@ def _check(s: Schedule) -> None:
         (s.divergence_threshold > 0, "divergence_threshold must be > 0"),
         (-4.0 <= s.gamma <= 4.0, "gamma must be in [-4, 4] (1 = work weighted, 0 = equal)"),
         (s.lr_scale_ratio >= 0, "lr_scale_ratio must be >= 0 (0 disables LR scaling)"),
+        (s.easgd_alpha is None or 0 < s.easgd_alpha <= 1, "easgd_alpha must be in (0, 1]"),
+        (s.effective_easgd_alpha == 1 or s.backend is Backend.BROKER,
+         f"easgd_alpha < 1 needs backend broker: the {s.backend.value} collectives overwrite "
+         "every replica in place and keep no consensus copy to blend toward"),
+        (s.effective_easgd_alpha == 1 or not s.is_sync,
+         "easgd_alpha < 1 does not combine with policy sync: sync keeps every replica equal "
+         "after every step, a blend would not"),
+        (not s.bf16_wire or s.backend is Backend.BROKER,
+         f"bf16_wire needs backend broker (the {s.backend.value} collectives reduce the "
+         "parameters' own dtype in place)"),
+        (s.snapshot_timeout > timedelta(0), "snapshot_timeout must be positive"),
         (s.heartbeat_timeout > timedelta(0), "heartbeat_timeout must be positive"),
         (s.coordinator_timeout > timedelta(0), "coordinator_timeout must be positive"),
         (s.collective_timeout is None or s.collective_timeout > timedelta(0),
@@ -309,6 +337,8 @@ def describe(schedule: Schedule) -> dict[str, Any]:
         value = getattr(schedule, f.name)
         if isinstance(value, Policy | Backend):
             value = value.value
+        elif f.name == "easgd_alpha":
+            value = schedule.effective_easgd_alpha
         elif value is None and f.name.endswith("_timeout"):
             value = None
         elif isinstance(value, timedelta):

@@ -14,7 +14,7 @@ import dataclasses
 from typing import Final
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator import callbacks, membership, window
+from ddpbus.orchestrator import callbacks, membership, rounds, window
 from ddpbus.orchestrator.elche import ElChe
 from ddpbus.orchestrator.guard import TrendGuard
 from ddpbus.orchestrator.resume import seed as seed_from_bundle
@@ -29,6 +29,7 @@ from ddpbus.orchestrator.state import (
     Phase,
     RankState,
     Record,
+    Reduced,
     Refuse,
     State,
     Stop,
@@ -68,6 +69,8 @@ def _forgive_silence(state: State, now: float) -> None:
         r.last_heard = max(r.last_heard, now)
     if state.rendezvous is not None:
         state.rendezvous.deadline = now + state.config.rendezvous_timeout_s
+    if state.broker_round is not None:
+        state.broker_round.deadline = now + state.schedule.snapshot_timeout.total_seconds()
 
 
 def transition(state: State, event: Event, now: float) -> tuple[State, list[Command]]:
@@ -78,7 +81,16 @@ def transition(state: State, event: Event, now: float) -> tuple[State, list[Comm
                           "before (a re-published copy)"))
     elif state.phase is Phase.DONE:
         out.append(Refuse("run-over", f"{type(event).__name__} after the run ended"))
-    elif isinstance(event, Timing):
+    else:
+        _dispatch(state, event, now, out)
+    for c in out:
+        if isinstance(c, Refuse):
+            state.refusals[c.reason] += 1
+    return state, out
+
+
+def _dispatch(state: State, event: Event, now: float, out: list[Command]) -> None:
+    if isinstance(event, Timing):
         _timing(state, event.msg, now, out)
     elif isinstance(event, Metrics):
         r = _sender(state, event.msg.rank, "MetricsMsg", out)
@@ -88,6 +100,10 @@ def transition(state: State, event: Event, now: float) -> tuple[State, list[Comm
             window.maybe_average(state, now, out)
     elif isinstance(event, Joined):
         membership.on_join(state, event.msg, now, out)
+        if state.phase is Phase.FORMING and state.broker and state.sessions:
+            _begin_training(state, now, out)  # no communicator to wait for
+    elif isinstance(event, Reduced):
+        rounds.on_reduced(state, event, now, out)
     elif isinstance(event, Tick):
         _tick(state, now, out)
     elif isinstance(event, Stop):
@@ -95,10 +111,6 @@ def transition(state: State, event: Event, now: float) -> tuple[State, list[Comm
     elif isinstance(event, BusRestored):
         _forgive_silence(state, now)
         out.append(Record("bus-restored", {"away_s": round(event.away_s, 3)}))
-    for c in out:
-        if isinstance(c, Refuse):
-            state.refusals[c.reason] += 1
-    return state, out
 
 
 ID_HOLES: Final = 256  # unseen lower sequences remembered per rank incarnation
@@ -154,6 +166,7 @@ def _sender(state: State, rank: int, what: str, out: list[Command]) -> RankState
 def _tick(state: State, now: float, out: list[Command]) -> None:
     membership.check_formation(state, now, out)
     membership.check_rendezvous(state, now, out)
+    rounds.check_deadline(state, now, out)
     if state.phase in (Phase.FORMING, Phase.TRAINING, Phase.FINISHING):
         membership.check_liveness(state, now, out)
     membership.maybe_done(state, now, out)
@@ -208,6 +221,8 @@ def _callback_timing(state: State, r: RankState, msg: m.TimingMsg, now: float,
         callbacks.on_epoch_fn_elapsed(state, r, msg, out)
     elif isinstance(msg, m.Intent):
         callbacks.on_intent(state, r, msg, out)
+    elif isinstance(msg, m.SnapshotReady) and state.broker:
+        rounds.on_snapshot(state, r.rank, msg, now, out)
     elif isinstance(msg, m.SnapshotReady):
         backend = (state.backend or m.Backend.GLOO).value
         out.append(Refuse("no-broker-round", f"SnapshotReady from rank {r.rank}: backend "

@@ -29,7 +29,7 @@ from ddpbus.orchestrator.state import (
 
 Out = list[Command]
 
-_CAPABLE = {"nccl": m.Backend.NCCL, "gloo": m.Backend.GLOO}
+_CAPABLE = {"nccl": m.Backend.NCCL, "gloo": m.Backend.GLOO}  # what a rank's Hello offers
 
 
 def reject(hello: m.Hello, reason: str, out: Out) -> None:
@@ -141,6 +141,11 @@ def _pick_generator(s: State, members: tuple[int, ...], tried: set[int]) -> int 
 
 def start_session(s: State, now: float, out: Out) -> None:
     members = tuple(r.rank for r in s.alive)
+    if s.broker:  # ranks only talk to the broker: there is no communicator to form
+        s.sessions += 1
+        out.append(Record("session-formed", {"session": s.sessions, "members": list(members),
+                                             "backend": "broker"}))
+        return
     generator = _pick_generator(s, members, set())
     if generator is None:
         end_run(s, m.SaveReason.ALL_RANKS_LOST, "no rank left to form a session", now, out)

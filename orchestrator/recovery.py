@@ -28,7 +28,7 @@ Hello from a new incarnation of a rank still believed alive declares the old one
 from __future__ import annotations
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator import callbacks, membership, window
+from ddpbus.orchestrator import callbacks, membership, rounds, window
 from ddpbus.orchestrator.pools import equal_split
 from ddpbus.orchestrator.state import (
     Command,
@@ -82,6 +82,8 @@ def lose(s: State, r: RankState, now: float, out: Out) -> None:
         s.orphans.append(r)
     if all(x.acked for x in s.alive):
         resolve_orphans(s, now, out)
+    elif s.broker:
+        rounds.maybe_reduce(s, now, out)  # a snapshot nobody will send is not waited for
     # otherwise the survivors are inside (or about to fail) the pending collective: the
     # dead rank's share of it is known, and the communicator rebuilt, once they answer
 
@@ -190,6 +192,9 @@ def rebuild(s: State, why: str, now: float, out: Out) -> None:
     """A new communicator over the alive ranks (none while one is being minted: its
     members are recomputed when the id arrives)."""
     if s.phase not in _ACTIVE:
+        return
+    if s.broker:  # no communicator to rebuild: averaging goes on with whoever is alive
+        after_session(s, now, out)
         return
     rv = s.rendezvous
     if rv is not None and s.ranks[rv.generator].alive:

@@ -42,7 +42,7 @@ from ddpbus.codecs import DecodeError, Decoder, Encoder, Outbound
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
-from ddpbus.orchestrator import bundles, bus, snapshot
+from ddpbus.orchestrator import bundles, bus, reducer, rounds, snapshot
 from ddpbus.orchestrator import resume as bundle_resume
 from ddpbus.orchestrator.config import describe
 from ddpbus.orchestrator.core import initial_state, resume, transition
@@ -59,6 +59,7 @@ from ddpbus.orchestrator.state import (
     Metrics,
     Phase,
     Record,
+    Reduce,
     Refuse,
     Send,
     Stop,
@@ -148,6 +149,7 @@ class Coordinator:
         # a rank's older incarnation is fenced: below the generation admitted last
         self.decoder = Decoder(job=s.job, key=s.key, generation_floor=self._rank_floor)
         self.nc, self.publisher = nc, bus.Publisher(js)
+        self.reducer = reducer.Reducer(js, s.job, nc.max_payload)
         if snap is not None:
             for out in snap.outbox:  # verbatim: JetStream drops those already stored
                 self.publisher.submit(out)
@@ -155,6 +157,11 @@ class Coordinator:
             # so a deposed predecessor can no longer steer them
             self.publisher.submit(self.encoder.encode(sj.CONTROL_ALL.subject(s.job),
                                                       m.CoordHeartbeat()))
+            again = rounds.pending_reduce(self.state)
+            if again is not None:  # the predecessor died reducing: its Reduced never came
+                log.warning("round %d was being reduced by the previous coordinator; "
+                            "reducing it again", again.version)
+                self._start_reduce(again)
         result = await self._serve(nc)
         if result is None:
             return EXIT_DEPOSED
@@ -405,7 +412,18 @@ class Coordinator:
                 log.warning("refused (%s): %s", c.reason, c.detail)
             elif isinstance(c, Finish) and self.finish is not None and not self.finish.done():
                 self.finish.set_result(c)
+            elif isinstance(c, Reduce):
+                self._start_reduce(c)
         return outbound
+
+    def _start_reduce(self, cmd: Reduce) -> None:
+        """Reduce off the decision loop; the result comes back as an event."""
+        async def reduce() -> None:
+            result = await self.reducer.run(cmd)
+            await self.apply(result)
+        task = asyncio.create_task(reduce(), name=f"reduce-{cmd.version}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _record(self, c: Record) -> None:
         if self.metrics is not None:

@@ -63,7 +63,17 @@ class BusRestored:
     away_s: float
 
 
-Event = Joined | Timing | Metrics | Tick | Stop | BusRestored
+@dataclass(frozen=True, slots=True)
+class Reduced:
+    """The shell's reducer finished broker round ``version``: the consensus is stored
+    (``ok``), or it could not be built (``detail`` says why)."""
+
+    version: int
+    ok: bool
+    detail: str = ""
+
+
+Event = Joined | Timing | Metrics | Tick | Stop | BusRestored | Reduced
 
 # ----------------------------------------------------------------------- commands
 
@@ -107,7 +117,29 @@ class Finish:
     reason: str
 
 
-Command = Send | Admit | Record | Refuse | Finish
+@dataclass(frozen=True, slots=True)
+class Contribution:
+    """One rank's stored snapshot for a broker round (from its SnapshotReady)."""
+
+    rank: int
+    mass: float
+    step: int
+    digest: str
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reduce:
+    """Sum exactly these contributions of round ``version``, divide once by their summed
+    mass (parameters) and mover count (buffers), store the consensus, then report
+    :class:`Reduced`. Done by the shell's reducer, off the decision loop."""
+
+    version: int
+    contributions: tuple[Contribution, ...]
+    bf16: bool = False
+
+
+Command = Send | Admit | Record | Refuse | Finish | Reduce
 
 # -------------------------------------------------------------------------- state
 
@@ -185,6 +217,7 @@ class RankState:
     # the last average
     acked: bool = True
     sync_step: int = 0  # last reported step when SyncNow went out
+    throttled: bool = False  # told to wait for the next average (broker backend, C.6)
     divergence: float | None = None
     pre_norm: float | None = None
     post_norm: float | None = None
@@ -226,6 +259,22 @@ class Rendezvous:
     members: tuple[int, ...]
     deadline: float
     tried: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class BrokerRound:
+    """A broker-path average in flight (reference C.3, CPU path): RequestParams went out;
+    snapshots arrive (``ready``) until every alive member's is in or the deadline passes;
+    then the reducer runs (``reducing``) over the ``accepted`` ones; its Reduced becomes
+    the Update, whose SyncAcks settle the round like any other."""
+
+    version: int
+    members: tuple[int, ...]
+    deadline: float
+    ready: dict[int, Contribution] = field(default_factory=dict)
+    reducing: bool = False
+    accepted: tuple[int, ...] = ()
+    plans: dict[int, m.EpochPlan] = field(default_factory=dict)  # folded into the Update
 
 
 @dataclass(slots=True)
@@ -292,10 +341,17 @@ class State:
     refusals: Counter[str] = field(default_factory=Counter)
     seen_ids: dict[int, IdWindow] = field(default_factory=dict)  # rank -> its ids so far
     last_bundle: int = 0  # the latest resume bundle version asked for
+    broker_round: BrokerRound | None = None  # the broker backend's average in flight
+    snapshot_aborts: int = 0  # ranks whose snapshot missed a round's deadline
 
     @property
     def schedule(self) -> Schedule:
         return self.config.schedule
+
+    @property
+    def broker(self) -> bool:
+        """Averaging through the broker (snapshots and a reducer), not collectives."""
+        return self.backend is m.Backend.BROKER
 
     @property
     def alive(self) -> list[RankState]:

@@ -13,7 +13,7 @@ for acks), epoch-boundary callbacks go out, and the next window opens.
 from __future__ import annotations
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator import callbacks, recovery
+from ddpbus.orchestrator import callbacks, recovery, rounds
 from ddpbus.orchestrator.aggregate import aggregate_epoch
 from ddpbus.orchestrator.elche import RankWindow, WindowReport, clamp_total
 from ddpbus.orchestrator.pools import Pool, equal_split, proportional_split
@@ -55,6 +55,8 @@ def on_batch(s: State, r: RankState, msg: m.Batch, now: float, out: Out) -> None
     if r.steps > r.budget:
         out.append(Record("budget-exceeded", {"rank": r.rank, "steps": r.steps,
                                               "budget": r.budget}))
+    if s.broker:
+        rounds.maybe_throttle(s, out)
 
 
 def _credit(s: State, r: RankState, batches: int, now: float) -> None:
@@ -124,9 +126,10 @@ def _device_index(device: str) -> int:
 
 
 def _satisfied(r: RankState) -> bool:
-    """Reached its target, or quiesced (nothing in flight: it joins with what it has), and
-    reported every plan it finished."""
-    return (r.steps >= r.target or r.in_flight() == 0) and not r.awaiting_metrics()
+    """Reached its target, or quiesced (nothing in flight: it joins with what it has), or
+    throttled (it waits for this average), and reported every plan it finished."""
+    return ((r.steps >= r.target or r.in_flight() == 0 or r.throttled)
+            and not r.awaiting_metrics())
 
 
 def maybe_average(s: State, now: float, out: Out) -> None:
@@ -143,14 +146,21 @@ def maybe_average(s: State, now: float, out: Out) -> None:
     # train its last batch just before the SyncNow that averages it in; then the boundary
     # and the next window follow without another reduce)
     callbacks.boundaries(s, now, out)
+    mark = len(out)
     open_window(s, now, out)
+    if s.broker:
+        rounds.fold_plans(s, out, mark)
 
 
 def sync(s: State, now: float, out: Out) -> None:
-    """Broadcast SyncNow and finalise the window inline (reference C.3, NCCL arm)."""
+    """Broadcast SyncNow (or, on the broker backend, RequestParams) and finalise the
+    window inline (reference C.3)."""
     alive = s.alive
-    out.append(Send(m.SyncNow()))
     s.rounds += 1
+    if s.broker:
+        rounds.request(s, now, out)
+    else:
+        out.append(Send(m.SyncNow()))
     s.sync_sent_at = now
     steps = {r.rank: r.steps for r in alive}
     s.global_step += sum(steps.values())
@@ -168,7 +178,7 @@ def sync(s: State, now: float, out: Out) -> None:
     s.round_members, s.round_ok = tuple(steps), None
     s.round_moved, s.resync = s.resync or any(steps.values()), False
     for r in alive:
-        r.acked, r.sync_step, r.window_start = False, r.step, r.step
+        r.acked, r.sync_step, r.window_start, r.throttled = False, r.step, r.step, False
         r.steps, r.compute_ms, r.delivered_ms, r.delivered_batches, r.fill_ms = 0, 0., 0., 0, None
     out.append(Record("average", {"round": s.rounds, "global_step": s.global_step,
                                   "steps": steps, "anchor": s.elche.anchor,
@@ -233,7 +243,8 @@ def settle(s: State, now: float, out: Out) -> None:
                                        "verdict": s.pending_verdict.verdict.value}))
     if s.orphans:
         recovery.resolve_orphans(s, now, out)
-    if s.resync and s.rendezvous is None and s.phase in (Phase.TRAINING, Phase.FINISHING):
+    if (s.resync and not s.broker and s.rendezvous is None
+            and s.phase in (Phase.TRAINING, Phase.FINISHING)):
         recovery.rebuild(s, "a collective failed", now, out)
     callbacks.maybe_finish(s, now, out)
 

@@ -37,12 +37,12 @@ from ddpbus.codecs import DecodeError, Decoder, Encoder
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import ConfigError, DdpbusError
-from ddpbus.orchestrator import bundles, bus
+from ddpbus.orchestrator import bundles, bus, reducer
 from ddpbus.orchestrator.provision import JobStorage, consumer_configs
 from ddpbus.worker_agent import checkpoint
 from ddpbus.worker_agent.rendezvous import NatsKVStore
 from ddpbus.worker_agent.spec import TrainSpec
-from ddpbus.worker_agent.trainer import Outcome, Trainer, TrainerSettings
+from ddpbus.worker_agent.trainer import Consensus, Outcome, Trainer, TrainerSettings
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,8 @@ class WorkerAgent:
         torch.manual_seed(self.spec.schedule().seed)  # same initial weights everywhere
         trainer = Trainer(self.spec, TrainerSettings(
             rank=s.rank, device=device, store_factory=self._store, out_dir=s.out_dir,
-            final_state=s.final_state, slowdown=s.slowdown, bundle_sink=self._bundle_sink),
+            final_state=s.final_state, slowdown=s.slowdown, bundle_sink=self._bundle_sink,
+            contribution_sink=self._contribution_sink),
             self._outbox_threadsafe)
         self.trainer = trainer
         self.loop = asyncio.get_running_loop()
@@ -305,6 +306,44 @@ class WorkerAgent:
                       len(late), self.settings.bundle_timeout)
         return ok
 
+    # ------------------------------------------------------ the broker backend
+
+    def _contribution_sink(self, version: int, blob: bytes | None, mass: float,
+                           step: int) -> None:
+        """From the training thread: store this rank's contribution to round ``version``
+        (in the background; training goes on) and announce it with SnapshotReady."""
+        asyncio.run_coroutine_threadsafe(self._ship(version, blob, mass, step), self.loop)
+
+    async def _ship(self, version: int, blob: bytes | None, mass: float, step: int) -> None:
+        digest, started = "", time.monotonic()
+        if blob is not None:
+            try:
+                store = await reducer.rounds_store(self.js, self.settings.job)
+                digest = await reducer.put_object(store, reducer.contribution_name(
+                    version, self.rank), blob, reducer.chunk_size(self.nc.max_payload))
+            except bus.TRANSIENT_ERRORS as exc:
+                # no SnapshotReady: the round's deadline leaves this rank out, it carries
+                log.warning("rank %d: round %d: storing the snapshot failed: %s", self.rank,
+                            version, exc)
+                return
+            log.debug("rank %d: round %d snapshot stored (%s)", self.rank, version,
+                      _rate(len(blob), time.monotonic() - started))
+        self._send(m.SnapshotReady(rank=self.rank, version=version, mass=mass,
+                                   step_count=step, digest=digest,
+                                   nbytes=len(blob) if blob is not None else 0))
+
+    async def _fetch_consensus(self, update: m.Update) -> Consensus:
+        """The Update with its consensus, fetched here so the training thread never
+        waits on the broker (messages after it wait in the stream meanwhile)."""
+        if not update.realized:
+            return Consensus(update=update, blob=None)
+        try:
+            store = await reducer.rounds_store(self.js, self.settings.job)
+            blob, _ = await reducer.read_object(store, reducer.consensus_name(update.version))
+        except bus.TRANSIENT_ERRORS as exc:
+            return Consensus(update=update, blob=None, error=f"fetching the consensus: {exc}")
+        return Consensus(update=update, blob=blob)
+
     def _done_future(self) -> asyncio.Future[Outcome]:
         if self._done is None:
             raise DdpbusError("agent not started")
@@ -402,6 +441,8 @@ class WorkerAgent:
             # traffic before this incarnation's Accept was for an older one (a restart
             # replays its consumer's unacked tail); the coordinator reassigned that work
             self.dropped_before_accept += 1
+        elif isinstance(body, m.Update):
+            self.trainer.inbox.put(await self._fetch_consensus(body))
         elif isinstance(body, m.ControlMsg):
             self.trainer.inbox.put(body)
 

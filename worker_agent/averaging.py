@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -179,3 +180,124 @@ def broadcast_from_root(flat: FlatModel, group: dist.ProcessGroup | None = None)
             dist.broadcast(f, src=0, group=group)
         for b in flat.buffers():
             dist.broadcast(b, src=0, group=group)
+
+
+# ------------------------------------------------------------ the broker backend
+#
+# Reference C.3, CPU path: on RequestParams a rank snapshots its parameters, ships them
+# premultiplied by its mass ``n^gamma`` (float buffers unweighted: only movers ship), and
+# trains on; the reducer sums exactly the accepted contributions and divides once; on
+# Update the rank moves by ``alpha * (consensus - snapshot)``: alpha 1 lands on the
+# consensus plus the steps it trained while the round was in flight (none under sync),
+# alpha < 1 is the EASGD blend. Tensor names are shared with ddpbus.orchestrator.reducer.
+
+BUFFERS = "buffers"
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """A rank's parameters at RequestParams{version} (kept until the Update)."""
+
+    version: int
+    steps: int  # optimizer steps in this contribution (mass n^gamma)
+    mass: float
+    step: int  # the rank's local step at the snapshot
+    flats: list[torch.Tensor]  # unscaled copies, one per parameter group
+
+
+def _mass(steps: int, gamma: float) -> float:
+    return float(steps) ** gamma if steps > 0 else 0.0  # idle: 0 for any gamma
+
+
+def _wire_name(dtype: torch.dtype, bf16: bool) -> tuple[str, torch.dtype]:
+    acc = _wire_dtype(dtype)
+    if bf16 and acc == torch.float32:
+        return "bfloat16", torch.bfloat16
+    return str(acc).removeprefix("torch."), acc
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """Little-endian bytes of a contiguous CPU tensor (bfloat16 through its int16 bits)."""
+    t = t.detach().to("cpu").contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy().data.cast("B")
+
+
+def snapshot(flat: FlatModel, *, version: int, steps: int, step: int, gamma: float,
+             bf16: bool) -> tuple[Snapshot, bytes | None]:
+    """The rank's snapshot and its contribution blob (None for mass 0: declared, not
+    encoded)."""
+    from ddpbus.codecs.tensor import pack_tensors
+
+    flat.ensure_flat()
+    mass = _mass(steps, gamma)
+    with torch.no_grad():
+        copies = [f.detach().clone() for f in flat.flats]
+        snap = Snapshot(version=version, steps=steps, mass=mass, step=step, flats=copies)
+        if mass == 0.0:
+            return snap, None
+        tensors: list[tuple[str, str, tuple[int, ...], memoryview]] = []
+        for i, c in enumerate(copies):
+            name, dtype = _wire_name(c.dtype, bf16)
+            scaled = torch.mul(c.to(_wire_dtype(c.dtype)), mass).to(dtype)  # c stays unscaled
+            tensors.append((f"param.{i}", name, tuple(c.shape), _raw(scaled)))
+        buffers = flat.buffers()
+        if buffers:
+            packed = torch.cat([b.detach().reshape(-1).to("cpu", torch.float32)
+                                for b in buffers])
+            tensors.append((BUFFERS, "float32", tuple(packed.shape), _raw(packed)))
+    return snap, pack_tensors(tensors, version=version)
+
+
+def _tensor(chunk: Any, like: torch.Tensor) -> torch.Tensor:
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
+             "float32": torch.float32, "float64": torch.float64}.get(chunk.dtype)
+    if dtype is None or tuple(chunk.shape) != tuple(like.shape):
+        raise ValueError(f"consensus tensor {chunk.name!r} is {chunk.dtype}{list(chunk.shape)}, "
+                         f"this rank's is {like.dtype}{list(like.shape)}")
+    raw = torch.frombuffer(bytearray(chunk.data), dtype=torch.int16 if dtype ==
+                           torch.bfloat16 else dtype)
+    if dtype == torch.bfloat16:
+        raw = raw.view(torch.bfloat16)
+    return raw.to(like.device, like.dtype).view_as(like)
+
+
+def apply_consensus(flat: FlatModel, snap: Snapshot, blob: bytes, *, alpha: float,
+                    measure: bool) -> tuple[AverageResult, list[torch.Tensor]]:
+    """``W += alpha * (C - W_snapshot)`` per parameter group, float buffers overwritten;
+    returns the divergence triple (snapshot vs consensus) and the consensus tensors."""
+    from ddpbus.codecs.tensor import unpack_tensors
+
+    flat.ensure_flat()
+    tensors = unpack_tensors(blob)
+    consensus: list[torch.Tensor] = []
+    pre_sq = post_sq = diff_sq = 0.0
+    with torch.no_grad():
+        for i, (f, s) in enumerate(zip(flat.flats, snap.flats, strict=True)):
+            chunk = tensors.get(f"param.{i}")
+            if chunk is None:
+                raise ValueError(f"the consensus has no param.{i}")
+            c = _tensor(chunk, f)
+            if measure:
+                pre_sq += _norm(s) ** 2
+                post_sq += _norm(c) ** 2
+                diff_sq += _norm(s - c) ** 2
+            f.add_(c - s, alpha=alpha)
+            consensus.append(c)
+        buffers = flat.buffers()
+        if BUFFERS in tensors and buffers:
+            packed = torch.frombuffer(bytearray(tensors[BUFFERS].data), dtype=torch.float32)
+            if packed.numel() != sum(b.numel() for b in buffers):
+                raise ValueError("the consensus buffers do not match this rank's")
+            offset = 0
+            for b in buffers:
+                n = b.numel()
+                b.copy_(packed[offset:offset + n].view_as(b))
+                offset += n
+    post = math.sqrt(post_sq)
+    result = AverageResult(realized=True,
+                           divergence=math.sqrt(diff_sq) / post if measure and post > 1e-10
+                           else 0.0, pre_norm=math.sqrt(pre_sq) if measure else None,
+                           post_norm=post if measure else None, movers=0)
+    return result, consensus

@@ -68,7 +68,7 @@ def run_eval(trainer: Trainer, msg: m.ExecuteEvalCallback) -> None:
     with _Timed(trainer) as t:
         if trainer.spec.eval_fn is None:
             error = "this rank's spec has no eval_fn"
-        elif msg.adopt_consensus:
+        elif msg.adopt_consensus and trainer.consensus is None:
             error = ("adopt_consensus needs a retained consensus copy; backend "
                      f"{trainer._run().backend.value} averages in place, so the live model "
                      "already is the consensus")
@@ -76,7 +76,7 @@ def run_eval(trainer: Trainer, msg: m.ExecuteEvalCallback) -> None:
             model = trainer.model
             model.eval()
             try:
-                with torch.no_grad():
+                with torch.no_grad(), trainer.consensus_view():
                     metric = float(trainer.spec.eval_fn(model, trainer.eval_dataset))
             except Exception as exc:  # a user eval that fails is reported, not fatal
                 error, metric = _error(exc), 0.0
@@ -98,7 +98,8 @@ def run_checkpoint(trainer: Trainer, msg: m.Checkpoint) -> None:
             error = "this rank's spec has no checkpoint_fn"
         else:
             try:
-                trainer.spec.checkpoint_fn(msg.version, trainer.model)
+                with trainer.consensus_view():
+                    trainer.spec.checkpoint_fn(msg.version, trainer.model)
             except Exception as exc:  # reported; the coordinator fails over to another rank
                 error = _error(exc)
     trainer.outbox(m.CheckpointResult(rank=trainer.rank, version=msg.version,
@@ -138,7 +139,7 @@ def save_consensus(trainer: Trainer, msg: m.SaveConsensusModel) -> None:
         log.error("rank %d: SaveConsensusModel but this rank has no --out directory",
                   trainer.rank)
         return
-    with _Timed(trainer):
+    with _Timed(trainer), trainer.consensus_view():
         if out is not None:
             path = out / "consensus.safetensors"
             checkpoint.save_model(path, trainer.model, _meta(trainer, kind="consensus"))
@@ -192,6 +193,7 @@ def handle(trainer: Trainer, msg: m.ControlMsg) -> Outcome | None:
     elif isinstance(msg, m.SaveConsensusModel):
         save_consensus(trainer, msg)
     elif isinstance(msg, m.Shutdown):
+        trainer.adopt_consensus()  # broker backend: every replica ends as the consensus
         if trainer.settings.final_state is not None:
             save_final(trainer, trainer.settings.final_state)
         return Outcome(clean=True, reason="shutdown")
@@ -199,9 +201,9 @@ def handle(trainer: Trainer, msg: m.ControlMsg) -> Outcome | None:
         _save_rank(trainer, msg.reason)
         return Outcome(clean=True, reason=f"shutdown with save ({msg.reason.name})",
                        save_reason=msg.reason)
-    elif isinstance(msg, m.RequestParams | m.Update):
-        log.error("rank %d: %s refused: backend %s averages with collectives, not through "
-                  "the broker (changes nothing)", trainer.rank, type(msg).__name__,
+    elif isinstance(msg, m.Update):
+        log.error("rank %d: Update refused: backend %s averages with collectives, not "
+                  "through the broker (changes nothing)", trainer.rank,
                   trainer._run().backend.value)
     elif isinstance(msg, m.StageAdvisory):
         log.debug("rank %d: StageAdvisory noted (this rank has no background stager)",

@@ -13,6 +13,7 @@ NATS side never waits for a batch or a collective. Rules it keeps:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -20,7 +21,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -60,6 +61,17 @@ class Halt:
     clean: bool  # True: exit like a Shutdown (say Exiting); False: an error exit
 
 
+@dataclass(frozen=True, slots=True)
+class Consensus:
+    """Put into the inbox by the agent, in the Update's place in the stream: the Update and
+    the consensus blob it names, already fetched (None when the round was not realized, or
+    when fetching failed: ``error``)."""
+
+    update: m.Update
+    blob: bytes | None
+    error: str = ""
+
+
 @dataclass(slots=True)
 class Outcome:
     clean: bool
@@ -77,6 +89,9 @@ class TrainerSettings:
     slowdown: float = 1.0  # simulate a slower device: every batch takes this many times longer
     # hands a resume bundle (version, {"model", "optim"} blobs, meta) to the agent to store
     bundle_sink: Callable[[int, dict[str, bytes], dict[str, Any]], None] | None = None
+    # broker backend: hands (version, contribution blob or None, mass, local step) to the
+    # agent, which stores it and answers SnapshotReady
+    contribution_sink: Callable[[int, bytes | None, float, int], None] | None = None
 
 
 @dataclass(slots=True)
@@ -118,7 +133,7 @@ class Trainer(threading.Thread):
         self.spec, self.settings, self._outbox = spec, settings, outbox
         self._held: list[tuple[m.Message, bool]] = []
         self.rank = settings.rank
-        self.inbox: queue.SimpleQueue[m.ControlMsg | Halt] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[m.ControlMsg | Halt | Consensus] = queue.SimpleQueue()
         self.device = settings.device
         self.dataset = spec.build_dataset()
         self.eval_dataset = spec.build_eval_dataset()
@@ -148,6 +163,11 @@ class Trainer(threading.Thread):
         self._group_ratios: list[float] = []
         self._last_lr: float | None = None
         self._carry = 0  # steps of failed averages, carried into the next one
+        # broker backend: the snapshot of the round in flight, callbacks that need its
+        # consensus (deferred until the Update), and the last realized consensus
+        self._round: averaging.Snapshot | None = None
+        self._deferred: list[m.ControlMsg] = []
+        self.consensus: list[torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -167,6 +187,10 @@ class Trainer(threading.Thread):
             for g in self.optimizer.param_groups:
                 g["lr"] = float(g["lr"]) * self._lr_scale
         torch.manual_seed(run.seed + 1 + self.rank)  # per-rank randomness (dropout, ...)
+        if run.backend is m.Backend.BROKER:
+            # no communicator: every replica starts from the same seeded initial weights
+            # (or a bundle), and averaging needs only the broker
+            self.sessions, self.group_ready = 1, True
 
     def load_consensus(self) -> int:
         """A restarted rank starts from the latest consensus model in ``out_dir`` if there
@@ -231,8 +255,9 @@ class Trainer(threading.Thread):
         w = self.window
         # a rank keeps training inside its window while a lost peer's communicator is
         # rebuilt (sessions > 0): only the collective needs the group
+        waiting = self._round is not None and self._run().policy is m.Policy.SYNC
         return (self.sessions > 0 and w.open and w.steps < w.budget and bool(self.plans)
-                and not self.throttled)
+                and not self.throttled and not waiting)
 
     def _loop(self) -> Outcome:
         while True:
@@ -254,9 +279,14 @@ class Trainer(threading.Thread):
             if done is not None:
                 return done
 
-    def _handle(self, msg: m.ControlMsg | Halt) -> Outcome | None:
+    def _handle(self, msg: m.ControlMsg | Halt | Consensus) -> Outcome | None:
         if isinstance(msg, Halt):
             return Outcome(clean=msg.clean, reason=msg.reason)
+        if isinstance(msg, Consensus):
+            return self._on_consensus(msg)
+        if self._round is not None and isinstance(msg, _NEED_CONSENSUS):
+            self._deferred.append(msg)  # it is for the consensus of the round in flight
+            return None
         handler = _HANDLERS.get(type(msg))
         if handler is None:
             return callbacks.handle(self, msg)
@@ -338,6 +368,10 @@ class Trainer(threading.Thread):
 
     def _on_sync(self, _msg: m.SyncNow) -> None:
         run = self._run()
+        if run.backend is m.Backend.BROKER:
+            log.error("rank %d: SyncNow refused: backend broker averages through snapshots, "
+                      "there is no collective (changes nothing)", self.rank)
+            return
         steps = self.window.steps + self._carry
         try:
             result = self._average(steps, run)
@@ -362,6 +396,89 @@ class Trainer(threading.Thread):
             raise RuntimeError("no communicator session (a peer was lost)")
         return averaging.average(self.flat, steps, gamma=run.gamma,
                                  measure=run.policy is not m.Policy.SYNC, device=self.device)
+
+    # ------------------------------------------------------ the broker backend
+
+    def _on_request_params(self, msg: m.RequestParams) -> None:
+        run = self._run()
+        if run.backend is not m.Backend.BROKER or self.settings.contribution_sink is None:
+            log.error("rank %d: RequestParams refused: backend %s averages with collectives "
+                      "(changes nothing)", self.rank, run.backend.value)
+            return
+        if self._round is not None:
+            log.warning("rank %d: RequestParams %d while round %d is unanswered; its steps "
+                        "carry into this one", self.rank, msg.version, self._round.version)
+            self._carry += self._round.steps
+        steps = self.window.steps + self._carry
+        snap, blob = averaging.snapshot(self.flat, version=msg.version, steps=steps,
+                                        step=self.step, gamma=run.gamma, bf16=run.bf16_wire)
+        self._round, self._carry = snap, 0
+        self.window = _Window()  # closed until the SetGlobalStep that follows
+        self.ready_at = time.perf_counter()
+        self.settings.contribution_sink(msg.version, blob, snap.mass, snap.step)
+
+    def _on_consensus(self, arrived: Consensus) -> Outcome | None:
+        msg, snap = arrived.update, self._round
+        if snap is None or msg.version != snap.version:
+            log.warning("rank %d: Update %d ignored: the round in flight is %s", self.rank,
+                        msg.version, "none" if snap is None else snap.version)
+            return None
+        self._round, self.throttled = None, False
+        run = self._run()
+        alpha = 1.0 if snap.mass == 0 else run.easgd_alpha  # idle: nothing of its own to keep
+        usable = msg.realized and arrived.blob is not None and (
+            self.rank in msg.accepted or snap.mass == 0)
+        if usable:
+            result, self.consensus = averaging.apply_consensus(
+                self.flat, snap, arrived.blob or b"", alpha=alpha,
+                measure=run.policy is not m.Policy.SYNC)
+            self.outbox(m.SyncAck(rank=self.rank, step_count=snap.step,
+                                  divergence=result.divergence, post_norm=result.post_norm,
+                                  pre_norm=result.pre_norm))
+        elif not msg.realized and snap.mass == 0:  # nobody moved: nothing to change
+            self.outbox(m.SyncAck(rank=self.rank, step_count=snap.step, divergence=0.0))
+        else:  # not in the consensus (late, lost, or the reduce failed): keep and carry
+            log.warning("rank %d: round %d left this rank out (%s); carrying %d steps",
+                        self.rank, msg.version, arrived.error or "snapshot not accepted",
+                        snap.steps)
+            self._carry += snap.steps
+            self.outbox(m.SyncAck(rank=self.rank, step_count=snap.step, divergence=0.0,
+                                  failed=True))
+        self.ready_at = time.perf_counter()
+        if msg.next_plan is not None:
+            self._on_start_epoch(m.StartEpoch(plan=msg.next_plan))
+        deferred, self._deferred = self._deferred, []
+        for later in deferred:
+            done = self._handle(later)
+            if done is not None:
+                return done
+        return None
+
+    @contextlib.contextmanager
+    def consensus_view(self) -> Iterator[None]:
+        """The last realized consensus in place of the live parameters for the duration
+        (broker backend: the live model has trained on, or is an EASGD blend); the live
+        parameters come back verbatim."""
+        if self.consensus is None:
+            yield
+            return
+        with torch.no_grad():
+            live = [f.clone() for f in self.flat.flats]
+            for f, c in zip(self.flat.flats, self.consensus, strict=True):
+                f.copy_(c)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for f, x in zip(self.flat.flats, live, strict=True):
+                    f.copy_(x)
+
+    def adopt_consensus(self) -> None:
+        """Become the last realized consensus for good (the run's end: equal replicas)."""
+        if self.consensus is not None:
+            with torch.no_grad():
+                for f, c in zip(self.flat.flats, self.consensus, strict=True):
+                    f.copy_(c)
 
     def _on_throttle(self, _msg: m.Throttle) -> None:
         self.throttled = True  # until SyncNow, Update or Shutdown
@@ -477,6 +594,8 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+_NEED_CONSENSUS = (m.ExecuteEvalCallback, m.Checkpoint, m.SaveConsensusModel)
+
 _HANDLERS: dict[type[Any], Callable[[Trainer, Any], Outcome | None]] = {
     m.NewNcclSession: Trainer._on_session,
     m.DeclareDead: Trainer._on_declare_dead,
@@ -486,6 +605,7 @@ _HANDLERS: dict[type[Any], Callable[[Trainer, Any], Outcome | None]] = {
     m.ExtendPartition: Trainer._on_extend,
     m.SyncNow: Trainer._on_sync,
     m.Throttle: Trainer._on_throttle,
+    m.RequestParams: Trainer._on_request_params,
     m.SetEpochCallbackRole: Trainer._on_role,
     m.EpochAggregated: Trainer._on_aggregated,
     m.EvalBroadcast: Trainer._on_eval_broadcast,

@@ -115,6 +115,8 @@ class _BackendEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Backend.Value
     """NCCL where the rank has CUDA, else gloo"""
     BACKEND_NCCL: _Backend.ValueType  # 2
     BACKEND_GLOO: _Backend.ValueType  # 3
+    BACKEND_BROKER: _Backend.ValueType  # 4
+    """snapshots reduced off the training path, through NATS"""
 
 class Backend(_Backend, metaclass=_BackendEnumTypeWrapper): ...
 
@@ -124,6 +126,8 @@ BACKEND_AUTO: Backend.ValueType  # 1
 """NCCL where the rank has CUDA, else gloo"""
 BACKEND_NCCL: Backend.ValueType  # 2
 BACKEND_GLOO: Backend.ValueType  # 3
+BACKEND_BROKER: Backend.ValueType  # 4
+"""snapshots reduced off the training path, through NATS"""
 Global___Backend: _TypeAlias = Backend  # noqa: Y015
 
 @_typing.final
@@ -346,20 +350,40 @@ class TimingMsg(_message.Message):
 
     @_typing.final
     class SnapshotReady(_message.Message):
-        """Broker path: the rank's snapshot is staged."""
+        """Broker path: the rank's mass-premultiplied snapshot of round `version` is stored
+        (object `digest`, `nbytes` long) or, with mass 0, declared without tensors.
+        """
 
         DESCRIPTOR: _descriptor.Descriptor
 
         RANK_FIELD_NUMBER: _builtins.int
+        VERSION_FIELD_NUMBER: _builtins.int
+        MASS_FIELD_NUMBER: _builtins.int
+        STEP_COUNT_FIELD_NUMBER: _builtins.int
+        DIGEST_FIELD_NUMBER: _builtins.int
+        NBYTES_FIELD_NUMBER: _builtins.int
         rank: _builtins.int
+        version: _builtins.int
+        mass: _builtins.float
+        """n^gamma the tensors were multiplied by (0: idle, no object)"""
+        step_count: _builtins.int
+        """the rank's local step at the snapshot"""
+        digest: _builtins.str
+        """"SHA-256=<base64>" of the stored contribution"""
+        nbytes: _builtins.int
         def __init__(
             self,
             *,
             rank: _builtins.int = ...,
+            version: _builtins.int = ...,
+            mass: _builtins.float = ...,
+            step_count: _builtins.int = ...,
+            digest: _builtins.str = ...,
+            nbytes: _builtins.int = ...,
         ) -> None: ...
         _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "mass", b"mass", "nbytes", b"nbytes", "rank", b"rank", "step_count", b"step_count", "version", b"version"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -543,12 +567,17 @@ class ControlMsg(_message.Message):
 
         DESCRIPTOR: _descriptor.Descriptor
 
+        VERSION_FIELD_NUMBER: _builtins.int
+        version: _builtins.int
+        """the averaging round the snapshot is for"""
         def __init__(
             self,
+            *,
+            version: _builtins.int = ...,
         ) -> None: ...
         _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["version", b"version"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -560,20 +589,30 @@ class ControlMsg(_message.Message):
 
         VERSION_FIELD_NUMBER: _builtins.int
         NEXT_PLAN_FIELD_NUMBER: _builtins.int
+        REALIZED_FIELD_NUMBER: _builtins.int
+        ACCEPTED_FIELD_NUMBER: _builtins.int
         version: _builtins.int
+        realized: _builtins.bool
+        """false: nothing was averaged, keep local state"""
         @_builtins.property
         def next_plan(self) -> Global___EpochPlan:
             """atomic dispatch of the next window's plan"""
+
+        @_builtins.property
+        def accepted(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+            """ranks whose contribution is in the consensus"""
 
         def __init__(
             self,
             *,
             version: _builtins.int = ...,
             next_plan: Global___EpochPlan | None = ...,
+            realized: _builtins.bool = ...,
+            accepted: _abc.Iterable[_builtins.int] | None = ...,
         ) -> None: ...
         _HasFieldArgType: _TypeAlias = _typing.Literal["_next_plan", b"_next_plan", "next_plan", b"next_plan"]  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["_next_plan", b"_next_plan", "next_plan", b"next_plan", "version", b"version"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["_next_plan", b"_next_plan", "accepted", b"accepted", "next_plan", b"next_plan", "realized", b"realized", "version", b"version"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         _WhichOneofReturnType__next_plan: _TypeAlias = _typing.Literal["next_plan"]  # noqa: Y015
         _WhichOneofArgType__next_plan: _TypeAlias = _typing.Literal["_next_plan", b"_next_plan"]  # noqa: Y015
@@ -1376,6 +1415,8 @@ class RunConfig(_message.Message):
     COORDINATOR_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     PROGRESSIVE_FIELD_NUMBER: _builtins.int
     COLLECTIVE_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    EASGD_ALPHA_FIELD_NUMBER: _builtins.int
+    BF16_WIRE_FIELD_NUMBER: _builtins.int
     policy: Global___Policy.ValueType
     backend: Global___Backend.ValueType
     batch_size: _builtins.int
@@ -1395,6 +1436,10 @@ class RunConfig(_message.Message):
     """chunked dispatch (StartEpoch per window)"""
     collective_timeout_s: _builtins.float
     """a collective stuck this long fails (0: no limit)"""
+    easgd_alpha: _builtins.float
+    """broker backend: W += alpha * (consensus - snapshot); 0 = 1"""
+    bf16_wire: _builtins.bool
+    """broker backend: tensors travel as bfloat16"""
     def __init__(
         self,
         *,
@@ -1410,10 +1455,12 @@ class RunConfig(_message.Message):
         coordinator_timeout_s: _builtins.float = ...,
         progressive: _builtins.bool = ...,
         collective_timeout_s: _builtins.float = ...,
+        easgd_alpha: _builtins.float = ...,
+        bf16_wire: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "batch_size", b"batch_size", "collective_timeout_s", b"collective_timeout_s", "coordinator_timeout_s", b"coordinator_timeout_s", "dataset_size", b"dataset_size", "epochs", b"epochs", "gamma", b"gamma", "lr_scale_ratio", b"lr_scale_ratio", "param_norm_every", b"param_norm_every", "policy", b"policy", "progressive", b"progressive", "seed", b"seed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "batch_size", b"batch_size", "bf16_wire", b"bf16_wire", "collective_timeout_s", b"collective_timeout_s", "coordinator_timeout_s", b"coordinator_timeout_s", "dataset_size", b"dataset_size", "easgd_alpha", b"easgd_alpha", "epochs", b"epochs", "gamma", b"gamma", "lr_scale_ratio", b"lr_scale_ratio", "param_norm_every", b"param_norm_every", "policy", b"policy", "progressive", b"progressive", "seed", b"seed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -149,7 +149,8 @@ _TYPE_OVERRIDES: dict[Any, st.SearchStrategy[Any]] = {
     m.RunConfig: st.deferred(lambda: builds(
         m.RunConfig, batch_size=st.integers(1, U64_MAX),
         coordinator_timeout_s=st.floats(min_value=1e-3, max_value=1e12),
-        collective_timeout_s=st.floats(min_value=0, max_value=1e12))),
+        collective_timeout_s=st.floats(min_value=0, max_value=1e12),
+        easgd_alpha=st.floats(min_value=1e-6, max_value=1.0))),
 }
 
 TIMING_CLASSES = (
@@ -171,6 +172,15 @@ STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
     cls: builds(cls) for cls in TIMING_CLASSES + CONTROL_CLASSES + OTHER_CLASSES
 }
 STRATEGIES[m.Hello] = _hello()
+# the decoder refuses a stored snapshot without mass and a mass without a stored object,
+# and an Update that accepts contributions of a round it says was not realized
+STRATEGIES[m.SnapshotReady] = st.one_of(
+    builds(m.SnapshotReady, mass=st.just(0.0), digest=st.just("")),
+    builds(m.SnapshotReady, mass=st.floats(min_value=1e-12, max_value=1e12),
+           digest=st.text(min_size=1, max_size=60)))
+STRATEGIES[m.Update] = st.one_of(builds(m.Update, realized=st.just(True)),
+                                 builds(m.Update, realized=st.just(False),
+                                        accepted=st.just(())))
 STRATEGIES[m.NewNcclSession] = _new_session()
 
 ALL_CLASSES = tuple(STRATEGIES)

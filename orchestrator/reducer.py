@@ -1,0 +1,235 @@
+"""The broker backend's reducer: sums the accepted snapshots and stores the consensus.
+
+It runs in the coordinator process, off the decision loop: the core decides *which*
+contributions a round accepts (:class:`~ddpbus.orchestrator.state.Reduce`), this module
+does the tensor work and answers :class:`~ddpbus.orchestrator.state.Reduced`. numpy only:
+the coordinator never imports torch.
+
+Storage: one Object Store bucket per job (``ddpbus_<job>_rounds``, memory-backed: round
+data is transient and a broker restart only costs the round in flight, which the core
+retries). Objects:
+
+- ``v<V>.rank<N>``: rank N's contribution to round V, a tensor blob
+  (:func:`~ddpbus.codecs.tensor.pack_tensors`) of ``param.<i>`` (each parameter group's
+  flat tensor times the rank's mass ``n^gamma``) and, when the model has float buffers,
+  ``buffers`` (packed, unweighted: only movers contribute);
+- ``v<V>.consensus``: the same names, divided once: parameters by the summed mass of the
+  accepted contributions, buffers by their count.
+
+The Object Store was chosen over raw frames on data subjects (see the issue note and
+``bench/averaging.py``): chunks are acknowledged and digest-checked, so a contribution is
+either whole or refused, a slow consumer can never drop part of one, and a reducer that
+restarts (coordinator fail-over) reads the same contributions again. Each contribution's
+SHA-256 digest also travels in its signed SnapshotReady and is compared here, so an
+object replaced on the broker is refused.
+
+Accumulators are float32 (float64 for float64 parameters) whatever the wire dtype; with
+``bf16`` the tensors travel as bfloat16 both ways (half the bytes per hop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Final
+
+import numpy as np
+from nats.errors import Error as NatsError
+from nats.js.api import ObjectMeta, ObjectMetaOptions, ObjectStoreConfig, StorageType
+from nats.js.client import JetStreamContext
+from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.object_store import ObjectStore
+
+from ddpbus.codecs import subjects as sj
+from ddpbus.codecs.errors import DdpbusError
+from ddpbus.codecs.tensor import TensorChunk, pack_tensors, unpack_tensors
+from ddpbus.orchestrator.state import Contribution, Reduce, Reduced
+
+log = logging.getLogger(__name__)
+
+KEEP_CONSENSUS: Final = 2  # consensus versions kept (a rank may still be reading the last)
+BUFFERS: Final = "buffers"
+
+
+class ReduceError(DdpbusError):
+    """A round's contributions cannot be reduced (missing, altered or mismatched)."""
+
+
+def contribution_name(version: int, rank: int) -> str:
+    return f"v{version}.rank{rank}"
+
+
+def consensus_name(version: int) -> str:
+    return f"v{version}.consensus"
+
+
+def chunk_size(max_payload: int) -> int:
+    """Object chunks as large as the server allows (fewer acknowledged publishes), at most
+    4 MiB, leaving room for the protocol around them."""
+    return max(64 * 1024, min(4 * 1024 * 1024, max_payload - 8 * 1024))
+
+
+async def rounds_store(js: JetStreamContext, job: str) -> ObjectStore:
+    """The job's round bucket, created on first use by whichever process comes first."""
+    name = sj.rounds_bucket(job)
+    try:
+        return await js.object_store(name)
+    except (BucketNotFoundError, NotFoundError):
+        return await js.create_object_store(name, config=ObjectStoreConfig(
+            storage=StorageType.MEMORY, description=f"ddpbus averaging rounds of job {job}"))
+
+
+async def read_object(store: ObjectStore, name: str) -> tuple[bytes, str]:
+    """An object's bytes (digest-checked by the client) and its ``SHA-256=`` digest."""
+    sink = io.BytesIO()
+    result = await store.get(name, writeinto=sink)
+    return sink.getvalue(), str(result.info.digest or "")
+
+
+# ----------------------------------------------------------------------- math
+
+
+def bf16_to_f32(raw: memoryview | bytes) -> np.ndarray:
+    """bfloat16 bits (little-endian) to float32: the upper half of each float32."""
+    bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
+    return bits.view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 to bfloat16 bits, rounding to nearest even (NaN stays NaN)."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))
+    out = (rounded >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        out[nan] = np.uint16(0x7FC0)
+    return out
+
+
+def _values(chunk: TensorChunk) -> np.ndarray:
+    if chunk.dtype == "bfloat16":
+        return bf16_to_f32(chunk.data)
+    if chunk.dtype not in ("float32", "float64", "float16"):
+        raise ReduceError(f"tensor {chunk.name!r} has dtype {chunk.dtype}; only floating "
+                          "point tensors are averaged")
+    return np.frombuffer(chunk.data, dtype=np.dtype(chunk.dtype).newbyteorder("<"))
+
+
+@dataclass
+class Accumulator:
+    """Sums contributions in f32/f64; divides once, by exactly what was summed."""
+
+    layout: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    sums: dict[str, np.ndarray] = field(default_factory=dict)
+    mass: float = 0.0
+    movers: int = 0
+
+    def add(self, c: Contribution, blob: bytes | memoryview) -> None:
+        tensors = unpack_tensors(blob)
+        layout = {n: (t.dtype, t.shape) for n, t in tensors.items()}
+        if self.layout and layout != self.layout:
+            raise ReduceError(f"rank {c.rank}'s contribution has another layout than the "
+                              f"round's first: {sorted(layout)} vs {sorted(self.layout)}")
+        if not any(n.startswith("param.") for n in layout):
+            raise ReduceError(f"rank {c.rank}'s contribution has no parameters")
+        self.layout = layout
+        for name, chunk in tensors.items():
+            values = _values(chunk)
+            acc = self.sums.get(name)
+            if acc is None:
+                wide = np.float64 if values.dtype == np.float64 else np.float32
+                self.sums[name] = values.astype(wide, copy=True)
+            else:
+                np.add(acc, values, out=acc)
+        self.mass += c.mass
+        self.movers += 1
+
+    def consensus(self, *, version: int, bf16: bool) -> bytes:
+        if self.mass <= 0 or not self.movers:
+            raise ReduceError("no mass to divide by")
+        out: list[tuple[str, str, tuple[int, ...], memoryview]] = []
+        for name, acc in self.sums.items():
+            np.divide(acc, self.movers if name == BUFFERS else self.mass, out=acc)
+            wire_dtype, shape = self.layout[name]
+            if wire_dtype == "bfloat16" or (bf16 and acc.dtype == np.float32):
+                out.append((name, "bfloat16", shape, f32_to_bf16(acc).data))
+            elif wire_dtype == "float16":
+                out.append((name, "float16", shape, acc.astype("<f2").data))
+            else:
+                out.append((name, str(acc.dtype), shape, acc.data))
+        return pack_tensors(out, version=version)
+
+
+# --------------------------------------------------------------------- runner
+
+
+class Reducer:
+    """Runs :class:`Reduce` commands against the job's round bucket."""
+
+    def __init__(self, js: JetStreamContext, job: str, max_payload: int) -> None:
+        self.js, self.job = js, job
+        self.chunk = chunk_size(max_payload)
+        self.rounds = 0
+        self.last_s = 0.0
+
+    async def run(self, cmd: Reduce) -> Reduced:
+        started = time.monotonic()
+        try:
+            nbytes = await self._reduce(cmd)
+        except (ReduceError, *_TRANSPORT_ERRORS) as exc:
+            log.warning("round %d: reduce failed: %s", cmd.version, exc)
+            return Reduced(version=cmd.version, ok=False, detail=f"{type(exc).__name__}: {exc}")
+        self.rounds += 1
+        self.last_s = time.monotonic() - started
+        log.info("round %d: reduced %d contributions (%.1f MiB) in %.3f s", cmd.version,
+                 len(cmd.contributions), nbytes / 2**20, self.last_s)
+        return Reduced(version=cmd.version, ok=True)
+
+    async def _reduce(self, cmd: Reduce) -> int:
+        store = await rounds_store(self.js, self.job)
+        acc = Accumulator()
+        nbytes = 0
+        for c in cmd.contributions:  # one at a time: memory stays at one blob + the sums
+            try:
+                blob, digest = await read_object(store, contribution_name(cmd.version, c.rank))
+            except NotFoundError:
+                raise ReduceError(f"rank {c.rank}'s contribution to round {cmd.version} is "
+                                  "not in the store (lost with a broker restart?)") from None
+            if digest != c.digest or len(blob) != c.nbytes:
+                raise ReduceError(f"rank {c.rank}'s stored contribution ({len(blob)} bytes, "
+                                  f"{digest}) is not the one it announced ({c.nbytes} bytes, "
+                                  f"{c.digest})")
+            await asyncio.to_thread(acc.add, c, blob)
+            nbytes += len(blob)
+        blob = await asyncio.to_thread(acc.consensus, version=cmd.version, bf16=cmd.bf16)
+        await put_object(store, consensus_name(cmd.version), blob, self.chunk)
+        await self._prune(store, cmd.version)
+        return nbytes + len(blob)
+
+    async def _prune(self, store: ObjectStore, version: int) -> None:
+        """Drop this round's contributions, late ones of earlier rounds and old consensus."""
+        with contextlib.suppress(NotFoundError):
+            for info in await store.list(ignore_deletes=True):
+                head, _, kind = info.name.partition(".")
+                try:
+                    v = int(head.removeprefix("v"))
+                except ValueError:
+                    continue
+                old = v <= version - KEEP_CONSENSUS if kind == "consensus" else v <= version
+                if old:
+                    with contextlib.suppress(NotFoundError):
+                        await store.delete(info.name)
+
+
+async def put_object(store: ObjectStore, name: str, blob: bytes, chunk: int) -> str:
+    """Store ``blob`` in chunks of ``chunk`` bytes; returns its ``SHA-256=`` digest."""
+    info = await store.put(name, blob, meta=ObjectMeta(
+        name=name, options=ObjectMetaOptions(max_chunk_size=chunk)))
+    return str(info.digest or "")
+
+
+_TRANSPORT_ERRORS: Final = (NatsError, OSError, TimeoutError)
