@@ -24,7 +24,8 @@ SHA-256 digest also travels in its signed SnapshotReady and is compared here, so
 object replaced on the broker is refused.
 
 Accumulators are float32 (float64 for float64 parameters) whatever the wire dtype; with
-``bf16`` the tensors travel as bfloat16 both ways (half the bytes per hop).
+``bf16`` the float32 parameters travel as bfloat16 both ways (half the bytes per hop);
+buffers (running statistics, small) stay float32.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ class Accumulator:
         for name, acc in self.sums.items():
             np.divide(acc, self.movers if name == BUFFERS else self.mass, out=acc)
             wire_dtype, shape = self.layout[name]
-            if wire_dtype == "bfloat16" or (bf16 and acc.dtype == np.float32):
+            if wire_dtype == "bfloat16" or (bf16 and acc.dtype == np.float32 and name != BUFFERS):
                 out.append((name, "bfloat16", shape, f32_to_bf16(acc).data))
             elif wire_dtype == "float16":
                 out.append((name, "float16", shape, acc.astype("<f2").data))

@@ -283,10 +283,15 @@ def apply_consensus(flat: FlatModel, snap: Snapshot, blob: bytes, *, alpha: floa
                 pre_sq += _norm(s) ** 2
                 post_sq += _norm(c) ** 2
                 diff_sq += _norm(s - c) ** 2
-            f.add_(c - s, alpha=alpha)
+            if alpha == 1.0:  # C + (W - W_snapshot): exactly C when nothing was trained since
+                f.sub_(s).add_(c)
+            else:
+                f.add_(c - s, alpha=alpha)
             consensus.append(c)
         buffers = flat.buffers()
         if BUFFERS in tensors and buffers:
+            if tensors[BUFFERS].dtype != "float32":
+                raise ValueError(f"consensus buffers are {tensors[BUFFERS].dtype}, not float32")
             packed = torch.frombuffer(bytearray(tensors[BUFFERS].data), dtype=torch.float32)
             if packed.numel() != sum(b.numel() for b in buffers):
                 raise ValueError("the consensus buffers do not match this rank's")

@@ -1,0 +1,262 @@
+"""The broker backend's round in the pure core, with a fake clock (reference C.3 CPU, C.6)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from core_harness import Core, records, refusals, sends
+
+from ddpbus.codecs import messages as m
+from ddpbus.codecs.errors import ConfigError
+from ddpbus.orchestrator import rounds, snapshot
+from ddpbus.orchestrator.config import schedule_from
+from ddpbus.orchestrator.state import Command, Reduce, Reduced, Tick, Timing
+
+DIGEST = "SHA-256=abc"
+
+
+def broker(world: int = 2, **knobs: Any) -> Core:
+    core = Core(world=world, **{"backend": "broker", "anchor": 4, "heartbeat_timeout": 2.0,
+                                "snapshot_timeout": 3.0, **knobs})
+    core.admit_all()
+    return core
+
+
+def reduces(out: list[Command]) -> list[Reduce]:
+    return [c for c in out if isinstance(c, Reduce)]
+
+
+def ready(core: Core, rank: int, *, version: int = 1, mass: float | None = None,
+          at: float | None = None) -> list[Command]:
+    r = core.state.ranks[rank]
+    steps = r.sync_step - r.sealed
+    mass = float(steps) if mass is None else mass
+    return core.feed(Timing(m.SnapshotReady(rank=rank, version=version, mass=mass,
+                                            step_count=r.sync_step,
+                                            digest=DIGEST if mass else "",
+                                            nbytes=100 if mass else 0)), at)
+
+
+def tick(core: Core, at: float, *, beating: tuple[int, ...] = (0, 1)) -> list[Command]:
+    """Heartbeats from ``beating`` at ``at``, then a tick."""
+    for r in beating:
+        core.feed(Timing(m.Heartbeat(rank=r, step_count=core.steps[r])), at)
+    return core.feed(Tick(), at)
+
+
+def to_gate(core: Core) -> list[Command]:
+    """Train every rank to its target: the gate fires."""
+    out: list[Command] = []
+    for r in core.state.alive:
+        out += core.train(r.rank, r.target)
+    return out
+
+
+def test_forming_needs_no_communicator_and_training_starts() -> None:
+    core = Core(backend="broker")
+    out = core.admit_all()
+    assert not sends(out, m.RequestNewNcclId)
+    assert records(out, "session-formed")[0]["backend"] == "broker"
+    assert records(out, "training-started")
+    assert sends(out, m.StartEpoch)
+
+
+def test_the_gate_requests_params_and_opens_the_next_window_at_once() -> None:
+    core = broker()
+    out = to_gate(core)
+    assert [s.msg.version for s in sends(out, m.RequestParams)] == [1]
+    assert not sends(out, m.SyncNow)
+    assert sends(out, m.SetGlobalStep)  # ranks train on while the round runs
+    rd = core.state.broker_round
+    assert rd is not None
+    assert rd.members == (0, 1)
+    assert not rd.reducing
+
+
+def test_every_snapshot_in_reduces_exactly_those_then_update_and_acks_settle() -> None:
+    core = broker()
+    to_gate(core)
+    assert not reduces(ready(core, 0))
+    (cmd,) = reduces(ready(core, 1))
+    assert cmd.version == 1
+    assert [(c.rank, c.mass) for c in cmd.contributions] == [
+        (0, 4.0), (1, 4.0)]
+    out = core.feed(Reduced(version=1, ok=True))
+    (update,) = sends(out, m.Update)
+    assert update.rank is None
+    assert update.msg.realized
+    assert update.msg.accepted == (0, 1)
+    assert core.state.broker_round is None
+    core.ack(0)
+    out = core.ack(1)
+    assert records(out, "averaged")[0]["round"] == 1
+
+
+@pytest.mark.parametrize(("case", "reason"), [
+    ("old-version", "stale-snapshot"), ("twice", "duplicate-snapshot"),
+    ("no-round", "stale-snapshot")])
+def test_bad_snapshots_are_refused_and_change_nothing(case: str, reason: str) -> None:
+    core = broker()
+    if case != "no-round":
+        to_gate(core)
+    if case == "twice":
+        ready(core, 0)
+    before = snapshot.encode(snapshot.Snapshot(core.state, 0, [], 0, 0.0), b"k")
+    out = ready(core, 0, version=7 if case == "old-version" else 1)
+    assert refusals(out) == [reason]
+    state_after = snapshot.Snapshot(core.state, 0, [], 0, 0.0)
+    state_after.state.refusals.clear()
+    decoded = snapshot.decode(before, b"k").state
+    decoded.refusals.clear()
+    assert snapshot.encode(snapshot.Snapshot(decoded, 0, [], 0, 0.0), b"k") == \
+        snapshot.encode(state_after, b"k")
+
+
+def test_a_stale_reduced_is_refused() -> None:
+    core = broker()
+    to_gate(core)
+    assert refusals(core.feed(Reduced(version=1, ok=True))) == ["stale-reduce"]
+
+
+def test_snapshot_deadline_soft_aborts_the_late_share_only() -> None:
+    core = broker()
+    to_gate(core)
+    ready(core, 0)
+    assert not reduces(tick(core, 1.5))
+    assert not reduces(tick(core, 2.9))
+    out = tick(core, 3.1)
+    assert records(out, "snapshot-timeout")[0]["late"] == [1]
+    (cmd,) = reduces(out)
+    assert [c.rank for c in cmd.contributions] == [0]
+    out = core.feed(Reduced(version=1, ok=True))
+    assert sends(out, m.Update)[0].msg.accepted == (0,)
+    # the late rank kept its parameters: it says so, and carries its steps (no rebuild)
+    core.ack(0)
+    out = core.feed(Timing(m.SyncAck(rank=1, step_count=4, divergence=0.0, failed=True)))
+    assert not sends(out, m.RequestNewNcclId)
+    assert core.state.resync
+    assert core.state.snapshot_aborts == 1
+
+
+def test_no_snapshot_at_all_is_a_round_not_realized_without_a_reduce() -> None:
+    core = broker()
+    to_gate(core)
+    tick(core, 1.5)
+    out = tick(core, 3.1)
+    assert not reduces(out)
+    (update,) = sends(out, m.Update)
+    assert not update.msg.realized
+    assert update.msg.accepted == ()
+
+
+def test_a_failed_reduce_becomes_an_update_not_realized() -> None:
+    core = broker()
+    to_gate(core)
+    ready(core, 0)
+    ready(core, 1)
+    out = core.feed(Reduced(version=1, ok=False, detail="digest mismatch"))
+    assert records(out, "reduce-failed")[0]["why"] == "digest mismatch"
+    assert not sends(out, m.Update)[0].msg.realized
+
+
+def test_a_rank_dead_before_its_snapshot_is_not_waited_for_and_its_work_moves() -> None:
+    core = broker(world=3)
+    to_gate(core)
+    ready(core, 0)
+    ready(core, 1)
+    out = tick(core, 2.6)  # rank 2 silent past the heartbeat timeout
+    assert records(out, "rank-dead")[0]["rank"] == 2
+    (cmd,) = reduces(out)  # at once, not at the snapshot deadline
+    assert [c.rank for c in cmd.contributions] == [0, 1]
+    core.feed(Reduced(version=1, ok=True))
+    core.ack(0)
+    out = core.ack(1)
+    moved = sends(out, m.ExtendPartition)
+    # its 4 trained batches (not in the consensus) and the 4 of the window that opened
+    assert sum(s.msg.partition_size for s in moved) == 8 * 8
+    assert not sends(out, m.RequestNewNcclId)
+
+
+def test_a_rank_dead_after_its_snapshot_keeps_its_work_in_the_consensus() -> None:
+    core = broker(world=3)
+    to_gate(core)
+    for r in (0, 1, 2):
+        ready(core, r)
+    out = core.feed(Reduced(version=1, ok=True))
+    assert sends(out, m.Update)[0].msg.accepted == (0, 1, 2)
+    assert records(tick(core, 2.6), "rank-dead")[0]["rank"] == 2
+    core.ack(0)
+    out = core.ack(1)
+    # its 4 trained batches are in the consensus: only the next window's 4 move
+    assert sum(s.msg.partition_size for s in sends(out, m.ExtendPartition)) == 4 * 8
+    assert core.state.ranks[2].sealed == 4
+
+
+def test_sync_folds_each_ranks_next_plan_into_its_update() -> None:
+    core = broker(policy="sync", progressive=True)
+    out = to_gate(core)
+    after = out[next(i for i, c in enumerate(out) if c in sends(out, m.RequestParams)):]
+    assert not sends(after, m.StartEpoch)
+    ready(core, 0)
+    ready(core, 1)
+    out = core.feed(Reduced(version=1, ok=True))
+    updates = sends(out, m.Update)
+    assert sorted(u.rank for u in updates) == [0, 1]  # type: ignore[type-var]
+    assert all(u.msg.next_plan is not None for u in updates)
+    assert records(out, "update")[0]["folded_plans"] == 2
+
+
+def test_throttle_holds_a_rank_too_far_ahead_once_per_window() -> None:
+    core = broker(max_batch_diff=1, anchor=6)
+    out = core.train(0, 1)
+    assert not sends(out, m.Throttle)  # 1 ahead of the slowest: within max_batch_diff
+    out = core.train(0, 1)
+    (throttle,) = sends(out, m.Throttle)
+    assert throttle.rank == 0
+    assert records(out, "throttle")[0]["slowest"] == 0
+    assert not sends(core.train(0, 1), m.Throttle)  # told once
+    # the throttled rank counts as satisfied: the slow rank alone closes the window
+    out = core.train(1, core.state.ranks[1].target)
+    assert sends(out, m.RequestParams)
+    assert not core.state.ranks[0].throttled
+
+
+def test_a_coordinator_that_takes_over_mid_reduce_knows_to_reduce_again() -> None:
+    core = broker()
+    to_gate(core)
+    assert rounds.pending_reduce(core.state) is None
+    ready(core, 0)
+    ready(core, 1)
+    data = snapshot.encode(snapshot.Snapshot(core.state, 5, [], 1, 0.0), b"k")
+    again = rounds.pending_reduce(snapshot.decode(data, b"k").state)
+    assert again is not None
+    assert [c.rank for c in again.contributions] == [0, 1]
+
+
+def test_snapshot_ready_on_a_collective_backend_is_refused() -> None:
+    core = Core(backend="gloo")
+    core.form()
+    out = core.feed(Timing(m.SnapshotReady(rank=0, version=1)))
+    assert refusals(out) == ["no-broker-round"]
+
+
+@pytest.mark.parametrize(("knobs", "text"), [
+    ({"easgd_alpha": 0.5}, "needs backend broker"),
+    ({"easgd_alpha": 0.5, "backend": "broker", "policy": "sync"}, "policy sync"),
+    ({"bf16_wire": True, "backend": "gloo"}, "bf16_wire needs backend broker"),
+    ({"easgd_alpha": 0, "backend": "broker"}, "(0, 1]"),
+    ({"snapshot_timeout": 0, "backend": "broker"}, "snapshot_timeout"),
+])
+def test_combinations_that_make_no_sense_are_refused_with_the_reason(
+        knobs: dict[str, Any], text: str) -> None:
+    with pytest.raises(ConfigError, match=text.replace("(", r"\(").replace("]", r"\]")):
+        schedule_from(knobs)
+
+
+def test_easgd_defaults_to_half_for_async_on_the_broker_only() -> None:
+    assert schedule_from({"backend": "broker", "policy": "async"}).effective_easgd_alpha == 0.5
+    assert schedule_from({"backend": "broker"}).effective_easgd_alpha == 1.0
+    assert schedule_from({"policy": "async"}).effective_easgd_alpha == 1.0
+    assert schedule_from({"backend": "broker", "policy": "async",
+                          "easgd_alpha": 1}).run_config(64).easgd_alpha == 1.0
