@@ -5,8 +5,9 @@ No tensor passes through here. A round, version ``v`` (= the round counter):
 1. the gate fires (:func:`~ddpbus.orchestrator.window.sync`): RequestParams{v} goes to every
    rank, the window is finalised inline exactly like a SyncNow (the El Che counters are
    taken at trigger time, so batches trained while the round is in flight count toward the
-   next window), and the next window opens at once: ranks train on while the round runs,
-   except under sync, where they wait for the consensus;
+   next window), and the next window opens at once: under async ranks train on while the
+   round runs (and blend the consensus in: EASGD); under the barrier-paced policies (sync,
+   cadence) they wait for the consensus, exactly as a collective would make them;
 2. every rank snapshots its parameters, stores them premultiplied by its mass ``n^gamma``
    and answers SnapshotReady{v, mass, digest} (mass 0: declared, nothing stored);
 3. once every alive member's snapshot is in, or the snapshot deadline passed (the late
@@ -14,7 +15,8 @@ No tensor passes through here. A round, version ``v`` (= the round counter):
    next round), :class:`~ddpbus.orchestrator.state.Reduce` asks the shell's reducer to sum
    exactly those contributions and divide once;
 4. its :class:`~ddpbus.orchestrator.state.Reduced` becomes Update{v, realized, accepted}
-   (under sync it carries each rank's next plan: one message instead of two); each rank
+   (under sync and cadence it carries each rank's next plan: one message instead of
+   two, since the ranks wait for it anyway); each rank
    applies it and answers SyncAck, which settles the round as on the collective path.
 
 A rank that dies mid-round simply has no snapshot (its mass is not accepted, its work goes
@@ -139,10 +141,11 @@ def _update(s: State, rd: BrokerRound, *, realized: bool, out: Out) -> None:
 
 
 def fold_plans(s: State, out: Out, mark: int) -> None:
-    """Under sync every rank waits for the Update: the next window's StartEpoch (one per
-    rank) rides in it instead of in a message of its own (reference: atomic dispatch)."""
+    """Under sync and cadence every rank waits for the Update: the next window's
+    StartEpoch (one per rank) rides in it instead of in a message of its own (reference:
+    atomic dispatch)."""
     rd = s.broker_round
-    if rd is None or not s.schedule.is_sync:
+    if rd is None or s.schedule.policy is m.Policy.ASYNC:
         return
     keep: Out = []
     for c in out[mark:]:

@@ -255,7 +255,9 @@ class Trainer(threading.Thread):
         w = self.window
         # a rank keeps training inside its window while a lost peer's communicator is
         # rebuilt (sessions > 0): only the collective needs the group
-        waiting = self._round is not None and self._run().policy is m.Policy.SYNC
+        # barrier-paced policies (sync, cadence) train from the consensus, as with a
+        # collective; async trains on while its round is in flight (and blends)
+        waiting = self._round is not None and self._run().policy is not m.Policy.ASYNC
         return (self.sessions > 0 and w.open and w.steps < w.budget and bool(self.plans)
                 and not self.throttled and not waiting)
 

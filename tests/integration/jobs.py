@@ -146,6 +146,7 @@ def stream_types(url: str, job: str) -> Counter[str]:
                 env = decoder.decode(msg.subject, msg.headers, msg.data)
                 seen[env.msg_type] += 1
                 left -= 1
+                await msg.ack()  # a pull consumer stops at 1,000 unacknowledged
         await nc.close()
         return seen
 

@@ -41,8 +41,13 @@ def _same_replicas(out: Path, workers: int) -> dict[str, torch.Tensor]:
     return states[0]
 
 
-def test_sync_policy_matches_torch_ddp(broker: EmbeddedBroker, tmp_path: Path) -> None:
-    job = start_job(broker.url, tmp_path, spec("parity"))
+@pytest.mark.parametrize("backend", ["gloo", "broker"])
+def test_sync_policy_matches_torch_ddp(broker: EmbeddedBroker, tmp_path: Path,
+                                       backend: str) -> None:
+    """Both averaging paths: the gloo collectives, and snapshots reduced through the
+    broker (a different summation order, so equal within float32 rounding)."""
+    job = start_job(broker.url, tmp_path, spec("parity"), job=f"parity-{backend}",
+                    coordinator_args=["--backend", backend])
     summary = job.wait()
     assert summary["ok"], summary
     assert summary["rounds"] == summary["global_step"] // 2 == 44  # one step per average
@@ -100,6 +105,44 @@ def test_every_sample_once_converges_and_replicas_agree(broker: EmbeddedBroker,
     _same_replicas(job.out, 2)
 
 
+@pytest.mark.parametrize(("policy", "knobs", "slowdown"), [
+    ("cadence", [], None),
+    ("async", [], None),  # EASGD, alpha 0.5 by default
+    ("cadence", ["bf16_wire=true", "max_batch_diff=1"], "2.5"),
+], ids=["cadence", "async-easgd", "cadence-bf16-throttled"])
+def test_broker_backend_every_sample_once_converges_and_replicas_agree(
+        broker: EmbeddedBroker, tmp_path: Path, policy: str, knobs: list[str],
+        slowdown: str | None) -> None:
+    ledger = tmp_path / "ledger"
+    ledger.mkdir()
+    name = f"brk-{policy}-{len(knobs)}"
+    args = ["--policy", policy, "--backend", "broker"]
+    for knob in knobs:
+        args += ["--knob", knob]
+    job = start_job(broker.url, tmp_path, spec("ledger"), job=name, coordinator_args=args,
+                    worker_args={1: ["--slowdown", slowdown]} if slowdown else None,
+                    env={"LEDGER_DIR": str(ledger)})
+    summary = job.wait()
+    assert summary["ok"], summary
+    assert summary["backend"] == "broker"
+    assert summary["schedule"]["easgd_alpha"] == (0.5 if policy == "async" else 1.0)
+    trained = Counter(_ledger(ledger))
+    per_epoch = (N_TRAIN // BATCH) * BATCH
+    for epoch in range(20):
+        expected = set(epoch_permutation(N_TRAIN, 42, epoch)[:per_epoch].tolist())
+        assert {i for (e, i) in trained if e == epoch} == expected, f"epoch {epoch}"
+    assert set(trained.values()) == {1}, "a sample was trained twice in one epoch"
+    assert summary["test_accuracy"] >= 0.95, summary["eval"]
+    _same_replicas(job.out, 2)  # every rank ends as the last consensus, EASGD too
+    seen = stream_types(broker.url, name)
+    assert {"ControlMsg.RequestParams", "TimingMsg.SnapshotReady", "ControlMsg.Update"} <= \
+        set(seen)
+    assert not {"ControlMsg.SyncNow", "ControlMsg.RequestNewNcclId"} & set(seen)
+    assert seen["ControlMsg.RequestParams"] == summary["rounds"]
+    if slowdown:
+        assert seen["ControlMsg.Throttle"] >= 1, seen
+
+
 def test_slow_rank_under_cadence_and_sync(broker: EmbeddedBroker, tmp_path: Path) -> None:
     shares = {}
     for policy in ("cadence", "sync"):
@@ -129,18 +172,30 @@ CONTROL = {"SyncNow", "StartEpoch", "RequestNewNcclId", "NewNcclSession", "SetGl
            "EpochAggregated", "EvalBroadcast", "SaveConsensusModel"}
 
 
+BROKER_TIMING = TIMING - {"NewNcclIdGenerated"} | {"SnapshotReady"}
+BROKER_CONTROL = CONTROL - {"SyncNow", "RequestNewNcclId", "NewNcclSession"} | {
+    "RequestParams", "Update"}
+
+
+@pytest.mark.parametrize("backend", ["gloo", "broker"])
 def test_callbacks_failover_and_every_variant_on_the_wire(broker: EmbeddedBroker,
-                                                          tmp_path: Path) -> None:
+                                                          tmp_path: Path, backend: str) -> None:
+    """On the broker backend the callbacks that need the consensus wait for the round's
+    Update and see the consensus, not the rank's live parameters."""
     cb = tmp_path / "cb"
     cb.mkdir()
-    with LiveTap(broker.url, "cbk") as tap:
-        job = start_job(broker.url, tmp_path, spec("callbacks"), job="cbk",
+    name = f"cbk-{backend}"
+    with LiveTap(broker.url, name) as tap:
+        job = start_job(broker.url, tmp_path, spec("callbacks"), job=name,
+                        coordinator_args=["--backend", backend],
                         env={"CALLBACK_DIR": str(cb)})
         summary = job.wait()
     assert summary["ok"], summary
-    seen = stream_types(broker.url, "cbk")
-    assert {f"TimingMsg.{t}" for t in TIMING} <= set(seen), seen
-    assert {f"ControlMsg.{t}" for t in CONTROL} <= set(seen), seen
+    seen = stream_types(broker.url, name)
+    timing, control = (TIMING, CONTROL) if backend == "gloo" else (BROKER_TIMING,
+                                                                   BROKER_CONTROL)
+    assert {f"TimingMsg.{t}" for t in timing} <= set(seen), seen
+    assert {f"ControlMsg.{t}" for t in control} <= set(seen), seen
     assert {"MetricsMsg", "JoinMsg.Hello", "AdmitMsg.Accept"} <= set(seen)
     assert tap.seen["TimingMsg.Heartbeat"] >= 2
     assert tap.seen["ControlMsg.CoordHeartbeat"] >= 1

@@ -27,6 +27,16 @@ def reduces(out: list[Command]) -> list[Reduce]:
     return [c for c in out if isinstance(c, Reduce)]
 
 
+def update_of(out: list[Command]) -> m.Update:
+    """The round's Update (one per rank under cadence: each may carry a folded plan)."""
+    updates = sends(out, m.Update)
+    assert updates
+    first = updates[0].msg
+    assert all((u.msg.realized, u.msg.accepted) == (first.realized, first.accepted)
+               for u in updates)
+    return first
+
+
 def ready(core: Core, rank: int, *, version: int = 1, mass: float | None = None,
           at: float | None = None) -> list[Command]:
     r = core.state.ranks[rank]
@@ -83,10 +93,11 @@ def test_every_snapshot_in_reduces_exactly_those_then_update_and_acks_settle() -
     assert [(c.rank, c.mass) for c in cmd.contributions] == [
         (0, 4.0), (1, 4.0)]
     out = core.feed(Reduced(version=1, ok=True))
-    (update,) = sends(out, m.Update)
-    assert update.rank is None
-    assert update.msg.realized
-    assert update.msg.accepted == (0, 1)
+    update = update_of(out)
+    assert update.realized
+    assert update.accepted == (0, 1)
+    # cadence: ranks wait for the consensus, so each one's next plan rides in its Update
+    assert all(u.msg.next_plan is not None for u in sends(out, m.Update))
     assert core.state.broker_round is None
     core.ack(0)
     out = core.ack(1)
@@ -130,7 +141,7 @@ def test_snapshot_deadline_soft_aborts_the_late_share_only() -> None:
     (cmd,) = reduces(out)
     assert [c.rank for c in cmd.contributions] == [0]
     out = core.feed(Reduced(version=1, ok=True))
-    assert sends(out, m.Update)[0].msg.accepted == (0,)
+    assert update_of(out).accepted == (0,)
     # the late rank kept its parameters: it says so, and carries its steps (no rebuild)
     core.ack(0)
     out = core.feed(Timing(m.SyncAck(rank=1, step_count=4, divergence=0.0, failed=True)))
@@ -145,9 +156,9 @@ def test_no_snapshot_at_all_is_a_round_not_realized_without_a_reduce() -> None:
     tick(core, 1.5)
     out = tick(core, 3.1)
     assert not reduces(out)
-    (update,) = sends(out, m.Update)
-    assert not update.msg.realized
-    assert update.msg.accepted == ()
+    update = update_of(out)
+    assert not update.realized
+    assert update.accepted == ()
 
 
 def test_a_failed_reduce_becomes_an_update_not_realized() -> None:
@@ -157,7 +168,7 @@ def test_a_failed_reduce_becomes_an_update_not_realized() -> None:
     ready(core, 1)
     out = core.feed(Reduced(version=1, ok=False, detail="digest mismatch"))
     assert records(out, "reduce-failed")[0]["why"] == "digest mismatch"
-    assert not sends(out, m.Update)[0].msg.realized
+    assert not update_of(out).realized
 
 
 def test_a_rank_dead_before_its_snapshot_is_not_waited_for_and_its_work_moves() -> None:
@@ -184,7 +195,7 @@ def test_a_rank_dead_after_its_snapshot_keeps_its_work_in_the_consensus() -> Non
     for r in (0, 1, 2):
         ready(core, r)
     out = core.feed(Reduced(version=1, ok=True))
-    assert sends(out, m.Update)[0].msg.accepted == (0, 1, 2)
+    assert update_of(out).accepted == (0, 1, 2)
     assert records(tick(core, 2.6), "rank-dead")[0]["rank"] == 2
     core.ack(0)
     out = core.ack(1)
@@ -205,6 +216,19 @@ def test_sync_folds_each_ranks_next_plan_into_its_update() -> None:
     assert sorted(u.rank for u in updates) == [0, 1]  # type: ignore[type-var]
     assert all(u.msg.next_plan is not None for u in updates)
     assert records(out, "update")[0]["folded_plans"] == 2
+
+
+def test_async_trains_on_during_the_round_and_gets_one_broadcast_update() -> None:
+    core = broker(policy="async")
+    out = to_gate(core)
+    request = out.index(sends(out, m.RequestParams)[0])
+    assert sends(out[request:], m.StartEpoch)  # the next window's plans go out at once
+    ready(core, 0)
+    ready(core, 1)
+    out = core.feed(Reduced(version=1, ok=True))
+    (update,) = sends(out, m.Update)
+    assert update.rank is None
+    assert update.msg.next_plan is None
 
 
 def test_throttle_holds_a_rank_too_far_ahead_once_per_window() -> None:
