@@ -208,6 +208,42 @@ def test_a_killed_worker_restarted_grows_back(broker: EmbeddedBroker, tmp_path: 
 
 
 @pytest.mark.parametrize("attempt", REPEAT)
+def test_a_worker_killed_mid_round_on_the_broker_backend(broker: EmbeddedBroker,
+                                                         tmp_path: Path, attempt: int) -> None:
+    """SIGKILL a rank while a broker round is in flight (RequestParams out, no Update yet):
+    the round completes with the survivors' mass (or the dead rank's, if its snapshot made
+    it), as soon as the death is known, not at the snapshot deadline; no communicator is
+    rebuilt."""
+    job, ledger = run_job(broker, tmp_path, 3, f"brk-kill-{attempt}", coordinator_args=[
+        "--backend", "broker", "--knob", "snapshot_timeout=60"])
+    wait_for("rank 1 to train 4 epochs", lambda: trained_epochs(ledger, 1) >= 4)
+    seen = len(of(job.events(), "average"))
+
+    def round_in_flight() -> bool:
+        events = job.events()
+        opened = of(events, "average")
+        return len(opened) > seen and opened[-1]["round"] not in {
+            e["round"] for e in of(events, "update")}
+
+    wait_for("a round to open", round_in_flight)
+    victim = job.procs["rank-1"]
+    victim.send_signal(signal.SIGKILL)
+    killed_in = of(job.events(), "average")[-1]["round"]
+    FAULTS["worker SIGKILL"] += 1
+    events = finish(job, failed={"rank-1": -signal.SIGKILL})
+    [dead] = of(events, "rank-dead")
+    assert dead["rank"] == 1
+    [update] = [e for e in of(events, "update") if e["round"] == killed_in]
+    assert update["realized"]
+    assert update["accepted"] in ([0, 2], [0, 1, 2])  # the snapshot made it, or not
+    FAULTS["broker round: snapshot " + ("kept" if 1 in update["accepted"] else "lost")] += 1
+    assert not of(events, "snapshot-timeout")  # no stall until the deadline
+    assert not of(events, "session-rebuild")
+    assert [e["members"] for e in of(events, "session-formed")] == [[0, 1, 2]]
+    recovered(job, ledger, events, {1: victim.pid}, [0, 2])
+
+
+@pytest.mark.parametrize("attempt", REPEAT)
 def test_a_stopped_worker_is_fenced_when_it_wakes(broker: EmbeddedBroker, tmp_path: Path,
                                                   attempt: int) -> None:
     job, ledger = run_job(broker, tmp_path, 3, f"stop-{attempt}")
