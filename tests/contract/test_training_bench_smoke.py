@@ -48,3 +48,13 @@ def test_recovery_bench(tmp_path: Path) -> None:
     assert all(v > 0 for v in measured.values())  # type: ignore[attr-defined]
     assert set(doc["train_s_lost_per_failure"]) == {  # type: ignore[arg-type]
         "worker_kill", "worker_restart", "coordinator_kill"}
+
+
+def test_averaging_bench(tmp_path: Path) -> None:
+    doc = _bench("averaging", tmp_path, "--quick")
+    [result] = doc["results"]  # type: ignore[misc]
+    assert set(result) == {"params", "gloo", "f32", "bf16"}
+    assert all(result[k]["s_per_round"] > 0 for k in ("gloo", "f32", "bf16"))
+    # bf16 halves the parameters' bytes on every hop (frame headers aside)
+    ratio = result["bf16"]["wire_bytes"] / result["f32"]["wire_bytes"]
+    assert 0.5 <= ratio < 0.501

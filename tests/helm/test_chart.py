@@ -33,6 +33,7 @@ VALUE_SETS: dict[str, list[str]] = {
     "service-monitor": ["coordinator.metrics.serviceMonitor.enabled=true"],
     "bundle-volume": ["worker.bundleClaim=bundles-rwx", "training.resume=old-job"],
     "wire-json": ["training.wireJson=true"],
+    "broker-backend": ["training.backend=broker", "worker.gpu.enabled=false"],
 }
 
 
