@@ -124,6 +124,68 @@ async def broker_round(nc: Any, red: Any, job: str, version: int, bf16: bool
     return seconds, sum(p["nbytes"] for p in parts) + consensus * (1 + WORLD)
 
 
+async def transports(url: str, numel: int, rounds: int) -> dict[str, Any]:
+    """The choice behind the broker backend: one contribution's bytes through the Object
+    Store (acknowledged chunks, digest-checked) vs as tensor frames on a core NATS subject
+    (fire and forget, reassembled by a subscriber on another connection)."""
+    import numpy as np
+
+    from ddpbus.codecs.tensor import TensorAssembler, decode_frame, encode_frames
+    from ddpbus.orchestrator import bus, reducer
+
+    job = f"tr{numel}"
+    pub = await bus.connect(url, name="bench-pub")
+    sub_nc = await bus.connect(url, name="bench-sub")
+    store = await reducer.rounds_store(pub.jetstream(), job)
+    data = np.random.default_rng(0).standard_normal(numel).astype(np.float32)
+    blob = data.tobytes()
+    chunk = reducer.chunk_size(pub.max_payload)
+    got: dict[str, list[float]] = {"object_put": [], "object_get": [], "frames": []}
+    lost = 0
+    for v in range(rounds + 1):
+        t0 = time.perf_counter()
+        await reducer.put_object(store, f"v{v}.probe", blob, chunk)
+        t1 = time.perf_counter()
+        back, _ = await reducer.read_object(store, f"v{v}.probe")
+        t2 = time.perf_counter()
+        if back != blob:
+            raise RuntimeError("the Object Store gave back other bytes")
+        done = asyncio.get_running_loop().create_future()
+        state: dict[str, TensorAssembler] = {}
+
+        async def on_frame(msg: Any, state: dict[str, TensorAssembler] = state,
+                           done: asyncio.Future[None] = done) -> None:
+            c = decode_frame(msg.data)
+            if "t" not in state:
+                state["t"] = TensorAssembler(c)
+                complete = state["t"].complete
+            else:
+                complete = state["t"].add(c)
+            if complete and not done.done():
+                done.set_result(None)
+
+        sub = await sub_nc.subscribe(f"bench.{job}.frames.{v}", cb=on_frame,
+                                     pending_bytes_limit=256 * 2**20)
+        await sub_nc.flush()
+        t3 = time.perf_counter()
+        for frame in encode_frames("p", "float32", (numel,), memoryview(blob),
+                                   max_payload=pub.max_payload - 8 * 1024, version=v):
+            await pub.publish(f"bench.{job}.frames.{v}", frame)
+        try:
+            await asyncio.wait_for(done, 60)
+        except TimeoutError:
+            lost += 1  # frames dropped on the way (a slow consumer): the contribution is gone
+        t4 = time.perf_counter()
+        await sub.unsubscribe()
+        if v:
+            got["object_put"].append(t1 - t0)
+            got["object_get"].append(t2 - t1)
+            got["frames"].append(t4 - t3)
+    await pub.close()
+    await sub_nc.close()
+    return {k: median(x) for k, x in got.items()} | {"frames_lost": lost, "bytes": len(blob)}
+
+
 async def measure(url: str, numel: int, rounds: int) -> dict[str, Any]:
     from ddpbus.orchestrator import bus, reducer
 
@@ -193,7 +255,8 @@ def main() -> None:
         for size in sizes:
             numel = int(size * 1_000_000)
             r = asyncio.run(measure(broker.url, numel, rounds))
-            results.append({"params": numel, **r})
+            results.append({"params": numel, **r,
+                            "transport": asyncio.run(transports(broker.url, numel, rounds))})
     print(f"{'params':>8} {'gloo s':>8} {'broker f32 s':>12} {'x gloo':>7} "
           f"{'broker bf16 s':>13} {'x gloo':>7} {'wire f32 MiB':>12} {'bf16/f32':>8}")
     for r in results:
@@ -201,6 +264,15 @@ def main() -> None:
         print(f"{r['params'] / 1e6:>7.1f}M {g:>8.3f} {f:>12.3f} {f / g:>7.1f} {b:>13.3f} "
               f"{b / g:>7.1f} {r['f32']['wire_bytes'] / 2**20:>12.1f} "
               f"{r['bf16']['wire_bytes'] / r['f32']['wire_bytes']:>8.3f}")
+    print("\none contribution's bytes, Object Store vs core-NATS tensor frames (median s):")
+    print(f"{'params':>8} {'MiB':>7} {'obj put':>8} {'obj get':>8} {'put+get':>8} "
+          f"{'frames':>8} {'frames/obj':>10} {'lost':>5}")
+    for r in results:
+        t = r["transport"]
+        both = t["object_put"] + t["object_get"]
+        print(f"{r['params'] / 1e6:>7.1f}M {t['bytes'] / 2**20:>7.1f} {t['object_put']:>8.3f} "
+              f"{t['object_get']:>8.3f} {both:>8.3f} {t['frames']:>8.3f} "
+              f"{t['frames'] / both:>10.2f} {t['frames_lost']:>5}")
     path = write_json("averaging", {"world": WORLD, "rounds": rounds, "results": results},
                       args.json)
     print(f"wrote {path}")
