@@ -176,6 +176,7 @@ class Reducer:
         self.chunk = chunk_size(max_payload)
         self.rounds = 0
         self.last_s = 0.0
+        self._store: ObjectStore | None = None
 
     async def run(self, cmd: Reduce) -> Reduced:
         started = time.monotonic()
@@ -191,7 +192,9 @@ class Reducer:
         return Reduced(version=cmd.version, ok=True)
 
     async def _reduce(self, cmd: Reduce) -> int:
-        store = await rounds_store(self.js, self.job)
+        if self._store is None:
+            self._store = await rounds_store(self.js, self.job)
+        store = self._store
         acc = Accumulator()
         nbytes = 0
         for c in cmd.contributions:  # one at a time: memory stays at one blob + the sums

@@ -54,6 +54,7 @@ def summarize(s: State) -> dict[str, Any]:
         "epochs": len(s.aggregated),
         "epochs_planned": s.schedule.epochs,
         "rounds": s.rounds,
+        "snapshot_aborts": s.snapshot_aborts,  # broker backend: ranks left out of a round
         "global_step": s.global_step,
         "wall_s": (ended - started) if started is not None and ended is not None else None,
         # first batch reported -> last average acknowledged everywhere: training proper

@@ -32,6 +32,7 @@ from nats.aio.msg import Msg
 from nats.js.client import JetStreamContext
 from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
 
 from ddpbus.codecs import DecodeError, Decoder, Encoder
 from ddpbus.codecs import messages as m
@@ -116,6 +117,7 @@ class WorkerAgent:
         self.reader: bus.StreamReader | None = None
         self._bundles: list[concurrent.futures.Future[None]] = []  # bundle writes in flight
         self._bundle_lock: asyncio.Lock | None = None  # one at a time, in version order
+        self._rounds: ObjectStore | None = None  # the broker backend's round bucket
 
     # ------------------------------------------------------------------ entry
 
@@ -318,7 +320,7 @@ class WorkerAgent:
         digest, started = "", time.monotonic()
         if blob is not None:
             try:
-                store = await reducer.rounds_store(self.js, self.settings.job)
+                store = await self._rounds_store()
                 digest = await reducer.put_object(store, reducer.contribution_name(
                     version, self.rank), blob, reducer.chunk_size(self.nc.max_payload))
             except bus.TRANSIENT_ERRORS as exc:
@@ -332,13 +334,18 @@ class WorkerAgent:
                                    step_count=step, digest=digest,
                                    nbytes=len(blob) if blob is not None else 0))
 
+    async def _rounds_store(self) -> ObjectStore:
+        if self._rounds is None:
+            self._rounds = await reducer.rounds_store(self.js, self.settings.job)
+        return self._rounds
+
     async def _fetch_consensus(self, update: m.Update) -> Consensus:
         """The Update with its consensus, fetched here so the training thread never
         waits on the broker (messages after it wait in the stream meanwhile)."""
         if not update.realized:
             return Consensus(update=update, blob=None)
         try:
-            store = await reducer.rounds_store(self.js, self.settings.job)
+            store = await self._rounds_store()
             blob, _ = await reducer.read_object(store, reducer.consensus_name(update.version))
         except bus.TRANSIENT_ERRORS as exc:
             return Consensus(update=update, blob=None, error=f"fetching the consensus: {exc}")

@@ -126,6 +126,7 @@ def test_broker_backend_every_sample_once_converges_and_replicas_agree(
     assert summary["ok"], summary
     assert summary["backend"] == "broker"
     assert summary["schedule"]["easgd_alpha"] == (0.5 if policy == "async" else 1.0)
+    assert summary["snapshot_aborts"] == 0
     trained = Counter(_ledger(ledger))
     per_epoch = (N_TRAIN // BATCH) * BATCH
     for epoch in range(20):
