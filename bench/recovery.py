@@ -65,13 +65,13 @@ def _epochs_trained(ledger: Path, rank: int) -> int:
     return len({line.split()[0] for line in path.read_text().splitlines() if line.strip()})
 
 
-def _start(broker: EmbeddedBroker, tmp: Path, name: str) -> tuple[Job, Path]:
+def _start(broker: EmbeddedBroker, tmp: Path, name: str, epochs: int) -> tuple[Job, Path]:
     ledger = tmp / "ledger"
     ledger.mkdir(parents=True)
     job = start_job(broker.url, tmp, spec("chaos"), workers=3, job=name,
                     coordinator_args=["--policy", "cadence"],
                     worker_args={r: ["--slowdown", "3"] for r in range(3)},
-                    env={"LEDGER_DIR": str(ledger), "CHAOS_EPOCHS": str(EPOCHS)},
+                    env={"LEDGER_DIR": str(ledger), "CHAOS_EPOCHS": str(epochs)},
                     final_state=False)
     return job, ledger
 
@@ -94,14 +94,14 @@ def _train_s(job: Job) -> float:
     return float(job.wait_summary()["train_s"])
 
 
-def undisturbed(broker: EmbeddedBroker, tmp: Path, n: int) -> dict[str, float]:
-    job, _ = _start(broker, tmp, f"calm-{n}")
+def undisturbed(broker: EmbeddedBroker, tmp: Path, n: int, epochs: int) -> dict[str, float]:
+    job, _ = _start(broker, tmp, f"calm-{n}", epochs)
     _end(job)
     return {"train_s": _train_s(job)}
 
 
-def worker_kill(broker: EmbeddedBroker, tmp: Path, n: int) -> dict[str, float]:
-    job, ledger = _start(broker, tmp, f"kill-{n}")
+def worker_kill(broker: EmbeddedBroker, tmp: Path, n: int, epochs: int) -> dict[str, float]:
+    job, ledger = _start(broker, tmp, f"kill-{n}", epochs)
     _wait("rank 1's epochs", lambda: _epochs_trained(ledger, 1) >= KILL_AFTER)
     job.procs["rank-1"].send_signal(signal.SIGKILL)
     killed = time.time()
@@ -112,8 +112,9 @@ def worker_kill(broker: EmbeddedBroker, tmp: Path, n: int) -> dict[str, float]:
                                                  lambda e: e["event"] == "averaged")}
 
 
-def worker_restart(broker: EmbeddedBroker, tmp: Path, n: int) -> dict[str, float]:
-    job, ledger = _start(broker, tmp, f"restart-{n}")
+def worker_restart(broker: EmbeddedBroker, tmp: Path, n: int, epochs: int
+                   ) -> dict[str, float]:
+    job, ledger = _start(broker, tmp, f"restart-{n}", epochs)
     _wait("rank 1's epochs", lambda: _epochs_trained(ledger, 1) >= KILL_AFTER)
     victim = job.procs["rank-1"]
     victim.send_signal(signal.SIGKILL)
@@ -130,8 +131,9 @@ def worker_restart(broker: EmbeddedBroker, tmp: Path, n: int) -> dict[str, float
                 events, started + back, lambda e: e["event"] == "averaged")}
 
 
-def coordinator_kill(broker: EmbeddedBroker, tmp: Path, n: int) -> dict[str, float]:
-    job, ledger = _start(broker, tmp, f"coord-{n}")
+def coordinator_kill(broker: EmbeddedBroker, tmp: Path, n: int, epochs: int
+                     ) -> dict[str, float]:
+    job, ledger = _start(broker, tmp, f"coord-{n}", epochs)
     _wait("rank 0's epochs", lambda: _epochs_trained(ledger, 0) >= KILL_AFTER)
     first = job.procs.pop("coordinator")
     first.send_signal(signal.SIGKILL)
@@ -152,14 +154,19 @@ SCENARIOS = {"undisturbed": undisturbed, "worker_kill": worker_kill,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=EPOCHS,
+                    help=f"epochs per job (default {EPOCHS}; > {KILL_AFTER}, the fault's)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if args.epochs <= KILL_AFTER:
+        ap.error(f"--epochs must be more than {KILL_AFTER} (the faults come after that many)")
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in SCENARIOS}
     with tempfile.TemporaryDirectory(prefix="ddpbus-bench-recovery-") as tmp, \
             EmbeddedBroker(BrokerConfig(store_dir=Path(tmp) / "store")) as broker:
         for n in range(args.rounds):
             for name, scenario in SCENARIOS.items():
-                runs[name].append(scenario(broker, Path(tmp) / f"{name}-{n}", n))
+                runs[name].append(scenario(broker, Path(tmp) / f"{name}-{n}", n,
+                                           args.epochs))
     medians = {name: {k: median([r[k] for r in rs]) for k in rs[0]}
                for name, rs in runs.items()}
     calm = medians["undisturbed"]["train_s"]

@@ -42,7 +42,7 @@ def test_control_latency_bench(tmp_path: Path) -> None:
 
 
 def test_recovery_bench(tmp_path: Path) -> None:
-    doc = _bench("recovery", tmp_path, "--rounds", "1")
+    doc = _bench("recovery", tmp_path, "--rounds", "1", "--epochs", "16")
     measured = doc["measured"]
     assert set(measured) == set(doc["targets"])  # type: ignore[arg-type]
     assert all(v > 0 for v in measured.values())  # type: ignore[attr-defined]
@@ -53,7 +53,8 @@ def test_recovery_bench(tmp_path: Path) -> None:
 def test_averaging_bench(tmp_path: Path) -> None:
     doc = _bench("averaging", tmp_path, "--quick")
     [result] = doc["results"]  # type: ignore[misc]
-    assert set(result) == {"params", "gloo", "f32", "bf16"}
+    assert set(result) == {"params", "gloo", "f32", "bf16", "transport"}
+    assert result["transport"]["frames_lost"] == 0
     assert all(result[k]["s_per_round"] > 0 for k in ("gloo", "f32", "bf16"))
     # bf16 halves the parameters' bytes on every hop (frame headers aside)
     ratio = result["bf16"]["wire_bytes"] / result["f32"]["wire_bytes"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from common import Ledger, accuracy, digits, mlp
 
@@ -15,7 +17,7 @@ spec = TrainSpec(
     train_step=Ledger(),
     dataset=TRAIN,
     batch_size=32,
-    epochs=20,
+    epochs=int(os.environ.get("LEDGER_EPOCHS", "20")),  # fewer for the slow sync runs
     eval_fn=accuracy,
     eval_dataset=TEST,
     knobs={"lr_scale_ratio": 0.5},
