@@ -52,6 +52,7 @@ from ddpbus.orchestrator.state import Contribution, Reduce, Reduced
 
 log = logging.getLogger(__name__)
 
+PARALLEL_READS: Final = 4  # contributions downloaded at once by the reducer
 KEEP_CONSENSUS: Final = 2  # consensus versions kept (a rank may still be reading the last)
 BUFFERS: Final = "buffers"
 
@@ -196,19 +197,39 @@ class Reducer:
             self._store = await rounds_store(self.js, self.job)
         store = self._store
         acc = Accumulator()
-        nbytes = 0
-        for c in cmd.contributions:  # one at a time: memory stays at one blob + the sums
+        gate = asyncio.Semaphore(PARALLEL_READS)
+
+        async def fetch(c: Contribution) -> bytes:
+            await gate.acquire()  # released once this blob is summed: a few blobs in memory
             try:
                 blob, digest = await read_object(store, contribution_name(cmd.version, c.rank))
             except NotFoundError:
+                gate.release()
                 raise ReduceError(f"rank {c.rank}'s contribution to round {cmd.version} is "
                                   "not in the store (lost with a broker restart?)") from None
+            except BaseException:
+                gate.release()
+                raise
             if digest != c.digest or len(blob) != c.nbytes:
+                gate.release()
                 raise ReduceError(f"rank {c.rank}'s stored contribution ({len(blob)} bytes, "
                                   f"{digest}) is not the one it announced ({c.nbytes} bytes, "
                                   f"{c.digest})")
-            await asyncio.to_thread(acc.add, c, blob)
-            nbytes += len(blob)
+            return blob
+
+        fetches = [asyncio.ensure_future(fetch(c)) for c in cmd.contributions]
+        nbytes = 0
+        try:
+            for c, pending in zip(cmd.contributions, fetches, strict=True):
+                blob = await pending  # summed in rank order: the same consensus every time
+                try:
+                    await asyncio.to_thread(acc.add, c, blob)
+                finally:
+                    gate.release()
+                nbytes += len(blob)
+        finally:
+            for f in fetches:
+                f.cancel()
         blob = await asyncio.to_thread(acc.consensus, version=cmd.version, bf16=cmd.bf16)
         await put_object(store, consensus_name(cmd.version), blob, self.chunk)
         await self._prune(store, cmd.version)

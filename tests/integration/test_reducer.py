@@ -1,0 +1,60 @@
+"""The reducer against a real nats-server: contributions in the job's round bucket in,
+the consensus out; an altered or missing contribution fails the round and stores nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ddpbus.codecs.tensor import pack_tensors, unpack_tensors
+from ddpbus.orchestrator import reducer
+from ddpbus.orchestrator.broker import EmbeddedBroker
+from ddpbus.orchestrator.bus import connect
+from ddpbus.orchestrator.state import Contribution, Reduce
+
+
+def _blob(values: np.ndarray, mass: float) -> bytes:
+    scaled = (values * mass).astype(np.float32)
+    return pack_tensors([("param.0", "float32", scaled.shape, scaled.data),
+                         ("buffers", "float32", (2,), np.array([1.0, 3.0], np.float32).data)])
+
+
+@pytest.mark.parametrize("fault", ["none", "altered", "missing"])
+async def test_reduce_round_trip_and_refusals(broker: EmbeddedBroker, fault: str) -> None:
+    nc = await connect(broker.url, name="reducer-test")
+    js = nc.jetstream()
+    store = await reducer.rounds_store(js, "red")
+    chunk = reducer.chunk_size(nc.max_payload)
+    rng = np.random.default_rng(3)
+    params = [rng.standard_normal(300_000).astype(np.float32) for _ in range(3)]
+    masses = [2.0, 5.0, 1.0]
+    contributions = []
+    for rank, (p, mass) in enumerate(zip(params, masses, strict=True)):
+        blob = _blob(p, mass)
+        digest = await reducer.put_object(store, reducer.contribution_name(1, rank), blob,
+                                          chunk)
+        contributions.append(Contribution(rank=rank, mass=mass, step=1, digest=digest,
+                                          nbytes=len(blob)))
+    if fault == "altered":  # someone replaced rank 1's object after it announced it
+        await reducer.put_object(store, reducer.contribution_name(1, 1),
+                                 _blob(params[1], 9.0), chunk)
+    elif fault == "missing":
+        await store.delete(reducer.contribution_name(1, 2))
+    result = await reducer.Reducer(js, "red", nc.max_payload).run(
+        Reduce(version=1, contributions=tuple(contributions)))
+    names = {i.name for i in await store.list(ignore_deletes=True)}
+    if fault == "none":
+        assert result.ok, result.detail
+        blob, _ = await reducer.read_object(store, reducer.consensus_name(1))
+        out = unpack_tensors(blob)
+        want = sum(m * p.astype(np.float64) for m, p in zip(masses, params, strict=True))
+        got = np.frombuffer(out["param.0"].data, dtype=np.float32)
+        np.testing.assert_allclose(got, want / sum(masses), rtol=1e-6, atol=1e-6)
+        assert np.frombuffer(out["buffers"].data, np.float32).tolist() == [1.0, 3.0]
+        assert names == {"v1.consensus"}  # the contributions are gone once reduced
+    else:
+        assert not result.ok
+        assert ("not the one it announced" if fault == "altered" else "not in the store") \
+            in result.detail
+        assert "v1.consensus" not in names
+    await nc.close()
