@@ -172,7 +172,8 @@ async def transports(url: str, numel: int, rounds: int) -> dict[str, Any]:
                                    max_payload=pub.max_payload - 8 * 1024, version=v):
             await pub.publish(f"bench.{job}.frames.{v}", frame)
         try:
-            await asyncio.wait_for(done, 60)
+            # (5x the Object Store's time, at least 10 s: past that the frames are lost)
+            await asyncio.wait_for(done, max(10.0, 5 * (t2 - t0)))
         except TimeoutError:
             lost += 1  # frames dropped on the way (a slow consumer): the contribution is gone
         t4 = time.perf_counter()
