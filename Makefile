@@ -49,6 +49,8 @@ bench: install
 	$(PY) bench/overhead.py
 	$(PY) bench/hetero.py
 	$(PY) bench/control_latency.py
+	$(PY) bench/recovery.py
+	$(PY) bench/averaging.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis
