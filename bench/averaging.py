@@ -45,6 +45,7 @@ async def rank_main(rank: int, url: str, job: str, numel: int, rounds: int,
     import torch
     import torch.distributed as dist
 
+    from ddpbus.codecs import subjects as sj
     from ddpbus.orchestrator import bus, reducer
     from ddpbus.worker_agent import averaging
 
@@ -65,7 +66,7 @@ async def rank_main(rank: int, url: str, job: str, numel: int, rounds: int,
 
     nc = await bus.connect(url, name=f"bench-rank-{rank}")
     store = await reducer.rounds_store(nc.jetstream(), job)
-    chunk = reducer.chunk_size(nc.max_payload)
+    chunk = bus.object_chunk(nc.max_payload)
     snaps: dict[int, averaging.Snapshot] = {}
 
     async def go(msg: Any) -> None:
@@ -74,7 +75,7 @@ async def rank_main(rank: int, url: str, job: str, numel: int, rounds: int,
                                         gamma=1.0, bf16=bf16)
         if blob is None:
             raise RuntimeError("a rank with steps has a contribution")
-        digest = await reducer.put_object(store, reducer.contribution_name(version, rank),
+        digest = await bus.put_object(store, sj.round_contribution(version, rank),
                                           blob, chunk)
         snaps[version] = snap
         await msg.respond(json.dumps({"mass": snap.mass, "digest": digest,
@@ -82,7 +83,7 @@ async def rank_main(rank: int, url: str, job: str, numel: int, rounds: int,
 
     async def update(msg: Any) -> None:
         version = json.loads(msg.data)
-        blob, _ = await reducer.read_object(store, reducer.consensus_name(version))
+        blob, _ = await bus.read_object(store, sj.round_consensus(version))
         averaging.apply_consensus(flat, snaps.pop(version), blob, alpha=1.0, measure=True)
         await msg.respond(b"ok")
 
@@ -139,14 +140,14 @@ async def transports(url: str, numel: int, rounds: int) -> dict[str, Any]:
     store = await reducer.rounds_store(pub.jetstream(), job)
     data = np.random.default_rng(0).standard_normal(numel).astype(np.float32)
     blob = data.tobytes()
-    chunk = reducer.chunk_size(pub.max_payload)
+    chunk = bus.object_chunk(pub.max_payload)
     got: dict[str, list[float]] = {"object_put": [], "object_get": [], "frames": []}
     lost = 0
     for v in range(rounds + 1):
         t0 = time.perf_counter()
-        await reducer.put_object(store, f"v{v}.probe", blob, chunk)
+        await bus.put_object(store, f"v{v}.probe", blob, chunk)
         t1 = time.perf_counter()
-        back, _ = await reducer.read_object(store, f"v{v}.probe")
+        back, _ = await bus.read_object(store, f"v{v}.probe")
         t2 = time.perf_counter()
         if back != blob:
             raise RuntimeError("the Object Store gave back other bytes")

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from _runs import ddpbus_run, median, write_json
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
 from ddpbus.orchestrator.bus import connect
@@ -55,6 +57,21 @@ async def _rtt(url: str, n: int, pause: float = 0.0) -> list[float]:
     return out
 
 
+async def _responder_up(url: str, within: float = 30.0) -> None:
+    """Until the responder answers (it subscribes once its process has started)."""
+    nc = await connect(url, name="rtt-wait")
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            await nc.request("rtt", b"", timeout=0.5)
+            break
+        except (NoRespondersError, NatsTimeoutError):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the request/reply responder never answered") from None
+            await asyncio.sleep(0.05)  # poll interval of a deadline-bound wait
+    await nc.close()
+
+
 def _percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -68,7 +85,7 @@ def main() -> None:
     with EmbeddedBroker(BrokerConfig()) as broker:
         responder = subprocess.Popen([sys.executable, "-c", RESPONDER, broker.url])  # noqa: S603
         try:
-            time.sleep(0.5)
+            asyncio.run(_responder_up(broker.url))
             idle = asyncio.run(_rtt(broker.url, 2000))
             loaded: list[float] = []
             reduce_ms: list[float] = []

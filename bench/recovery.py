@@ -55,7 +55,7 @@ def _wait(what: str, cond: Callable[[], bool], timeout: float = 120.0) -> None:
     while not cond():
         if time.monotonic() > deadline:
             raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+        time.sleep(0.02)  # poll interval of a deadline-bound wait
 
 
 def _epochs_trained(ledger: Path, rank: int) -> int:

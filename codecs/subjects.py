@@ -161,6 +161,22 @@ def rounds_bucket(job: str) -> str:
     return f"{kv_bucket(job)}_rounds"
 
 
+def round_contribution(version: int, rank: int) -> str:
+    """Rank ``rank``'s contribution to round ``version`` (an object in :func:`rounds_bucket`)."""
+    return f"v{version}.rank{rank}"
+
+
+def round_consensus(version: int) -> str:
+    return f"v{version}.consensus"
+
+
+def round_version(name: str) -> tuple[int, str] | None:
+    """``(version, "consensus" | "rank<N>")`` of a round object's name, None for another."""
+    head, _, kind = name.partition(".")
+    version = head.removeprefix("v")
+    return (int(version), kind) if head.startswith("v") and version.isdigit() else None
+
+
 def stream_subjects(job: str) -> list[str]:
     """What the job's stream captures: every ``storage == "stream"`` subject."""
     return [s.wildcard(job) for s in SUBJECTS if s.storage == "stream"]

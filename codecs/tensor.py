@@ -188,6 +188,14 @@ class TensorAssembler:
 
 # ------------------------------------------------------------------ tensor blobs
 
+ROUND_BUFFERS: Final = "buffers"  # a round blob's packed float buffers (unweighted)
+
+
+def round_param(group: int) -> str:
+    """A round blob's tensor of parameter group ``group`` (premultiplied by the mass)."""
+    return f"param.{group}"
+
+
 _FRAME_LEN = struct.Struct("<Q")
 MAX_BLOB_TENSORS: Final = 4096
 

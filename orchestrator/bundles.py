@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import io
 import json
 import os
 from collections.abc import Mapping
@@ -47,6 +46,7 @@ from nats.js.object_store import ObjectStore
 
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
+from ddpbus.orchestrator import bus
 from ddpbus.orchestrator.resume import SCHEMA_VERSION, BundleError
 
 __all__ = ["LATEST_KEY", "RESUME_KEY", "SCHEMA_VERSION", "BundleError", "Manifest",
@@ -245,15 +245,13 @@ async def read_blobs(js: JetStreamContext, manifest: Manifest) -> dict[str, byte
                 raise BundleError(f"{manifest.describe()}: cannot read {path}: {exc}") from exc
         else:
             store = await _object_store_named(js, manifest.store["bucket"])
-            sink = io.BytesIO()  # streamed: get() without writeinto is quadratic
             try:
-                await store.get(name, writeinto=sink)
+                blob, _ = await bus.read_object(store, name)
             except NotFoundError:
                 raise BundleError(f"{manifest.describe()}: object {name} is gone") from None
             except DigestMismatchError:
                 raise BundleError(f"{manifest.describe()}: object {name} fails the "
                                   "store's digest") from None
-            blob = sink.getvalue()
         if len(blob) != int(info["size"]) or _digest(blob) != info["sha256"]:
             raise BundleError(f"{manifest.describe()}: {name} does not match its digest "
                               "(altered or truncated)")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import logging
 import time
@@ -31,10 +32,11 @@ from typing import Any, TypeVar, cast
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import PubAck
+from nats.js.api import ObjectMeta, ObjectMetaOptions, PubAck
 from nats.js.client import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -182,6 +184,27 @@ async def publish(js: JetStreamContext, out: Outbound, *, ack_timeout: float = 5
 async def publish_core(nc: Client, out: Outbound) -> None:
     """Publish on a core-NATS (never stored) subject such as live.* or data.*."""
     await nc.publish(out.subject, out.payload, headers=out.headers)
+
+
+async def read_object(store: ObjectStore, name: str) -> tuple[bytes, str]:
+    """An Object Store object's bytes (digest-checked by the client) and its
+    ``SHA-256=`` digest; streamed, since ``get()`` without ``writeinto`` is quadratic."""
+    sink = io.BytesIO()
+    result = await store.get(name, writeinto=sink)
+    return sink.getvalue(), str(result.info.digest or "")
+
+
+async def put_object(store: ObjectStore, name: str, blob: bytes, chunk: int) -> str:
+    """Store ``blob`` in chunks of ``chunk`` bytes; returns its ``SHA-256=`` digest."""
+    info = await store.put(name, blob, meta=ObjectMeta(
+        name=name, options=ObjectMetaOptions(max_chunk_size=chunk)))
+    return str(info.digest or "")
+
+
+def object_chunk(max_payload: int) -> int:
+    """Object chunks as large as the server allows (fewer acknowledged publishes), at
+    most 4 MiB, leaving room for the protocol around them."""
+    return max(64 * 1024, min(4 * 1024 * 1024, max_payload - 8 * 1024))
 
 
 async def next_generation(kv: KeyValue, name: str) -> int:

@@ -194,6 +194,8 @@ def rebuild(s: State, why: str, now: float, out: Out) -> None:
     if s.phase not in _ACTIVE:
         return
     if s.broker:  # no communicator to rebuild: averaging goes on with whoever is alive
+        if s.resync and s.phase is Phase.FINISHING:
+            s.phase = Phase.TRAINING  # the left-out steps get one more average
         after_session(s, now, out)
         return
     rv = s.rendezvous

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import logging
 import time
 from dataclasses import dataclass, field
@@ -40,39 +39,29 @@ from typing import Final
 
 import numpy as np
 from nats.errors import Error as NatsError
-from nats.js.api import ObjectMeta, ObjectMetaOptions, ObjectStoreConfig, StorageType
+from nats.js.api import ObjectStoreConfig, StorageType
 from nats.js.client import JetStreamContext
 from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.object_store import ObjectStore
 
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
-from ddpbus.codecs.tensor import TensorChunk, pack_tensors, unpack_tensors
+from ddpbus.codecs.tensor import (
+    ROUND_BUFFERS,
+    TensorChunk,
+    pack_tensors,
+    round_param,
+    unpack_tensors,
+)
+from ddpbus.orchestrator import bus
 from ddpbus.orchestrator.state import Contribution, Reduce, Reduced
 
 log = logging.getLogger(__name__)
 
 PARALLEL_READS: Final = 4  # contributions downloaded at once by the reducer
 KEEP_CONSENSUS: Final = 2  # consensus versions kept (a rank may still be reading the last)
-BUFFERS: Final = "buffers"
-
-
 class ReduceError(DdpbusError):
     """A round's contributions cannot be reduced (missing, altered or mismatched)."""
-
-
-def contribution_name(version: int, rank: int) -> str:
-    return f"v{version}.rank{rank}"
-
-
-def consensus_name(version: int) -> str:
-    return f"v{version}.consensus"
-
-
-def chunk_size(max_payload: int) -> int:
-    """Object chunks as large as the server allows (fewer acknowledged publishes), at most
-    4 MiB, leaving room for the protocol around them."""
-    return max(64 * 1024, min(4 * 1024 * 1024, max_payload - 8 * 1024))
 
 
 async def rounds_store(js: JetStreamContext, job: str) -> ObjectStore:
@@ -83,13 +72,6 @@ async def rounds_store(js: JetStreamContext, job: str) -> ObjectStore:
     except (BucketNotFoundError, NotFoundError):
         return await js.create_object_store(name, config=ObjectStoreConfig(
             storage=StorageType.MEMORY, description=f"ddpbus averaging rounds of job {job}"))
-
-
-async def read_object(store: ObjectStore, name: str) -> tuple[bytes, str]:
-    """An object's bytes (digest-checked by the client) and its ``SHA-256=`` digest."""
-    sink = io.BytesIO()
-    result = await store.get(name, writeinto=sink)
-    return sink.getvalue(), str(result.info.digest or "")
 
 
 # ----------------------------------------------------------------------- math
@@ -136,7 +118,7 @@ class Accumulator:
         if self.layout and layout != self.layout:
             raise ReduceError(f"rank {c.rank}'s contribution has another layout than the "
                               f"round's first: {sorted(layout)} vs {sorted(self.layout)}")
-        if not any(n.startswith("param.") for n in layout):
+        if round_param(0) not in layout:
             raise ReduceError(f"rank {c.rank}'s contribution has no parameters")
         self.layout = layout
         for name, chunk in tensors.items():
@@ -155,9 +137,10 @@ class Accumulator:
             raise ReduceError("no mass to divide by")
         out: list[tuple[str, str, tuple[int, ...], memoryview]] = []
         for name, acc in self.sums.items():
-            np.divide(acc, self.movers if name == BUFFERS else self.mass, out=acc)
+            np.divide(acc, self.movers if name == ROUND_BUFFERS else self.mass, out=acc)
             wire_dtype, shape = self.layout[name]
-            if wire_dtype == "bfloat16" or (bf16 and acc.dtype == np.float32 and name != BUFFERS):
+            narrow = bf16 and acc.dtype == np.float32 and name != ROUND_BUFFERS
+            if wire_dtype == "bfloat16" or narrow:
                 out.append((name, "bfloat16", shape, f32_to_bf16(acc).data))
             elif wire_dtype == "float16":
                 out.append((name, "float16", shape, acc.astype("<f2").data))
@@ -174,9 +157,7 @@ class Reducer:
 
     def __init__(self, js: JetStreamContext, job: str, max_payload: int) -> None:
         self.js, self.job = js, job
-        self.chunk = chunk_size(max_payload)
-        self.rounds = 0
-        self.last_s = 0.0
+        self.chunk = bus.object_chunk(max_payload)
         self._store: ObjectStore | None = None
 
     async def run(self, cmd: Reduce) -> Reduced:
@@ -186,10 +167,8 @@ class Reducer:
         except (ReduceError, *_TRANSPORT_ERRORS) as exc:
             log.warning("round %d: reduce failed: %s", cmd.version, exc)
             return Reduced(version=cmd.version, ok=False, detail=f"{type(exc).__name__}: {exc}")
-        self.rounds += 1
-        self.last_s = time.monotonic() - started
         log.info("round %d: reduced %d contributions (%.1f MiB) in %.3f s", cmd.version,
-                 len(cmd.contributions), nbytes / 2**20, self.last_s)
+                 len(cmd.contributions), nbytes / 2**20, time.monotonic() - started)
         return Reduced(version=cmd.version, ok=True)
 
     async def _reduce(self, cmd: Reduce) -> int:
@@ -202,7 +181,8 @@ class Reducer:
         async def fetch(c: Contribution) -> bytes:
             await gate.acquire()  # released once this blob is summed: a few blobs in memory
             try:
-                blob, digest = await read_object(store, contribution_name(cmd.version, c.rank))
+                blob, digest = await bus.read_object(store, sj.round_contribution(cmd.version,
+                                                                          c.rank))
             except NotFoundError:
                 gate.release()
                 raise ReduceError(f"rank {c.rank}'s contribution to round {cmd.version} is "
@@ -231,7 +211,7 @@ class Reducer:
             for f in fetches:
                 f.cancel()
         blob = await asyncio.to_thread(acc.consensus, version=cmd.version, bf16=cmd.bf16)
-        await put_object(store, consensus_name(cmd.version), blob, self.chunk)
+        await bus.put_object(store, sj.round_consensus(cmd.version), blob, self.chunk)
         await self._prune(store, cmd.version)
         return nbytes + len(blob)
 
@@ -239,22 +219,14 @@ class Reducer:
         """Drop this round's contributions, late ones of earlier rounds and old consensus."""
         with contextlib.suppress(NotFoundError):
             for info in await store.list(ignore_deletes=True):
-                head, _, kind = info.name.partition(".")
-                try:
-                    v = int(head.removeprefix("v"))
-                except ValueError:
+                parsed = sj.round_version(info.name)
+                if parsed is None:
                     continue
+                v, kind = parsed
                 old = v <= version - KEEP_CONSENSUS if kind == "consensus" else v <= version
                 if old:
                     with contextlib.suppress(NotFoundError):
                         await store.delete(info.name)
-
-
-async def put_object(store: ObjectStore, name: str, blob: bytes, chunk: int) -> str:
-    """Store ``blob`` in chunks of ``chunk`` bytes; returns its ``SHA-256=`` digest."""
-    info = await store.put(name, blob, meta=ObjectMeta(
-        name=name, options=ObjectMetaOptions(max_chunk_size=chunk)))
-    return str(info.digest or "")
 
 
 _TRANSPORT_ERRORS: Final = (NatsError, OSError, TimeoutError)

@@ -93,19 +93,26 @@ def check_deadline(s: State, now: float, out: Out) -> None:
 
 
 def _reduce(s: State, rd: BrokerRound, out: Out) -> None:
+    """Accept the snapshots that are in (no more can join: ``reducing``) and reduce them."""
     rd.reducing = True
-    rd.accepted = tuple(sorted(rd.ready))
-    s.round_members = rd.accepted
-    movers = tuple(c for c in rd.ready.values() if c.mass > 0)
-    if not movers:  # nothing to average: every replica keeps its state
+    s.round_members = tuple(sorted(rd.ready))
+    cmd = _command(s, rd)
+    if cmd is None:  # nothing to average: every replica keeps its state
         _update(s, rd, realized=False, out=out)
         return
-    out.append(Reduce(version=rd.version, contributions=tuple(sorted(movers,
-                                                                     key=lambda c: c.rank)),
-                      bf16=s.schedule.bf16_wire))
-    out.append(Record("reduce", {"round": rd.version, "ranks": [c.rank for c in movers],
-                                 "mass": sum(c.mass for c in movers),
-                                 "bytes": sum(c.nbytes for c in movers)}))
+    out.append(cmd)
+    out.append(Record("reduce", {"round": rd.version,
+                                 "ranks": [c.rank for c in cmd.contributions],
+                                 "mass": sum(c.mass for c in cmd.contributions),
+                                 "bytes": sum(c.nbytes for c in cmd.contributions)}))
+
+
+def _command(s: State, rd: BrokerRound) -> Reduce | None:
+    """The accepted contributions with mass (the zero-mass ones were declared, not stored),
+    in rank order."""
+    movers = tuple(sorted((c for c in rd.ready.values() if c.mass > 0), key=lambda c: c.rank))
+    return Reduce(version=rd.version, contributions=movers,
+                  bf16=s.schedule.bf16_wire) if movers else None
 
 
 def on_reduced(s: State, ev: Reduced, now: float, out: Out) -> None:
@@ -116,10 +123,10 @@ def on_reduced(s: State, ev: Reduced, now: float, out: Out) -> None:
         return
     if not ev.ok:
         out.append(Record("reduce-failed", {"round": rd.version, "why": ev.detail}))
-        rd.accepted = s.round_members = ()
+        s.round_members = ()
         _update(s, rd, realized=False, out=out)
         return
-    for rank in rd.accepted:  # a member that died after its snapshot is in the consensus
+    for rank in rd.ready:  # a member that died after its snapshot is in the consensus
         r = s.ranks[rank]
         if not r.alive:
             r.seal(rd.ready[rank].step)
@@ -127,7 +134,7 @@ def on_reduced(s: State, ev: Reduced, now: float, out: Out) -> None:
 
 
 def _update(s: State, rd: BrokerRound, *, realized: bool, out: Out) -> None:
-    accepted = rd.accepted if realized else ()
+    accepted = tuple(sorted(rd.ready)) if realized else ()
     targets = [r for r in rd.members if s.ranks[r].alive]
     if rd.plans:  # one Update per rank, each carrying that rank's next plan
         for rank in targets:
@@ -179,6 +186,4 @@ def pending_reduce(s: State) -> Reduce | None:
     rd = s.broker_round
     if rd is None or not rd.reducing:
         return None
-    movers = tuple(sorted((rd.ready[r] for r in rd.accepted if rd.ready[r].mass > 0),
-                          key=lambda c: c.rank))
-    return Reduce(version=rd.version, contributions=movers, bf16=s.schedule.bf16_wire)
+    return _command(s, rd)

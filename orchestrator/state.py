@@ -265,7 +265,8 @@ class Rendezvous:
 class BrokerRound:
     """A broker-path average in flight (reference C.3, CPU path): RequestParams went out;
     snapshots arrive (``ready``) until every alive member's is in or the deadline passes;
-    then the reducer runs (``reducing``) over the ``accepted`` ones; its Reduced becomes
+    then the reducer runs (``reducing``: no more snapshots are taken) over the ``ready``
+    ones, which are the round's accepted contributions; its Reduced becomes
     the Update, whose SyncAcks settle the round like any other."""
 
     version: int
@@ -273,7 +274,6 @@ class BrokerRound:
     deadline: float
     ready: dict[int, Contribution] = field(default_factory=dict)
     reducing: bool = False
-    accepted: tuple[int, ...] = ()
     plans: dict[int, m.EpochPlan] = field(default_factory=dict)  # folded into the Update
 
 

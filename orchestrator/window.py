@@ -243,8 +243,7 @@ def settle(s: State, now: float, out: Out) -> None:
                                        "verdict": s.pending_verdict.verdict.value}))
     if s.orphans:
         recovery.resolve_orphans(s, now, out)
-    if (s.resync and not s.broker and s.rendezvous is None
-            and s.phase in (Phase.TRAINING, Phase.FINISHING)):
+    if s.resync and s.rendezvous is None and s.phase in (Phase.TRAINING, Phase.FINISHING):
         recovery.rebuild(s, "a collective failed", now, out)
     callbacks.maybe_finish(s, now, out)
 

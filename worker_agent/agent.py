@@ -321,8 +321,8 @@ class WorkerAgent:
         if blob is not None:
             try:
                 store = await self._rounds_store()
-                digest = await reducer.put_object(store, reducer.contribution_name(
-                    version, self.rank), blob, reducer.chunk_size(self.nc.max_payload))
+                digest = await bus.put_object(store, sj.round_contribution(
+                    version, self.rank), blob, bus.object_chunk(self.nc.max_payload))
             except bus.TRANSIENT_ERRORS as exc:
                 # no SnapshotReady: the round's deadline leaves this rank out, it carries
                 log.warning("rank %d: round %d: storing the snapshot failed: %s", self.rank,
@@ -346,7 +346,7 @@ class WorkerAgent:
             return Consensus(update=update, blob=None)
         try:
             store = await self._rounds_store()
-            blob, _ = await reducer.read_object(store, reducer.consensus_name(update.version))
+            blob, _ = await bus.read_object(store, sj.round_consensus(update.version))
         except bus.TRANSIENT_ERRORS as exc:
             return Consensus(update=update, blob=None, error=f"fetching the consensus: {exc}")
         return Consensus(update=update, blob=blob)

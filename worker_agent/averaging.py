@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpbus.codecs.tensor import ROUND_BUFFERS, pack_tensors, round_param, unpack_tensors
+
 log = logging.getLogger(__name__)
 
 
@@ -94,6 +96,10 @@ class FlatModel:
         return sum(f.numel() for f in self.flats)
 
 
+def _mass(steps: int, gamma: float) -> float:
+    return float(steps) ** gamma if steps > 0 else 0.0  # idle: 0 for any gamma
+
+
 def _norm(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t))
 
@@ -129,7 +135,7 @@ def average(flat: FlatModel, steps: int, *, gamma: float, measure: bool,
     """One averaging round; every rank of ``group`` must call it for the same SyncNow."""
     del device  # the wire buffers live where the parameters live
     flat.ensure_flat()
-    mass = float(steps) ** gamma if steps > 0 else 0.0
+    mass = _mass(steps, gamma)
     mover = 1.0 if steps > 0 else 0.0
     buffers = flat.buffers()
     wire = _wire(flat, buffers)
@@ -191,9 +197,6 @@ def broadcast_from_root(flat: FlatModel, group: dist.ProcessGroup | None = None)
 # consensus plus the steps it trained while the round was in flight (none under sync),
 # alpha < 1 is the EASGD blend. Tensor names are shared with ddpbus.orchestrator.reducer.
 
-BUFFERS = "buffers"
-
-
 @dataclass(slots=True)
 class Snapshot:
     """A rank's parameters at RequestParams{version} (kept until the Update)."""
@@ -203,10 +206,6 @@ class Snapshot:
     mass: float
     step: int  # the rank's local step at the snapshot
     flats: list[torch.Tensor]  # unscaled copies, one per parameter group
-
-
-def _mass(steps: int, gamma: float) -> float:
-    return float(steps) ** gamma if steps > 0 else 0.0  # idle: 0 for any gamma
 
 
 def _wire_name(dtype: torch.dtype, bf16: bool) -> tuple[str, torch.dtype]:
@@ -228,8 +227,6 @@ def snapshot(flat: FlatModel, *, version: int, steps: int, step: int, gamma: flo
              bf16: bool) -> tuple[Snapshot, bytes | None]:
     """The rank's snapshot and its contribution blob (None for mass 0: declared, not
     encoded)."""
-    from ddpbus.codecs.tensor import pack_tensors
-
     flat.ensure_flat()
     mass = _mass(steps, gamma)
     with torch.no_grad():
@@ -241,12 +238,12 @@ def snapshot(flat: FlatModel, *, version: int, steps: int, step: int, gamma: flo
         for i, c in enumerate(copies):
             name, dtype = _wire_name(c.dtype, bf16)
             scaled = torch.mul(c.to(_wire_dtype(c.dtype)), mass).to(dtype)  # c stays unscaled
-            tensors.append((f"param.{i}", name, tuple(c.shape), _raw(scaled)))
+            tensors.append((round_param(i), name, tuple(c.shape), _raw(scaled)))
         buffers = flat.buffers()
         if buffers:
             packed = torch.cat([b.detach().reshape(-1).to("cpu", torch.float32)
                                 for b in buffers])
-            tensors.append((BUFFERS, "float32", tuple(packed.shape), _raw(packed)))
+            tensors.append((ROUND_BUFFERS, "float32", tuple(packed.shape), _raw(packed)))
     return snap, pack_tensors(tensors, version=version)
 
 
@@ -267,17 +264,15 @@ def apply_consensus(flat: FlatModel, snap: Snapshot, blob: bytes, *, alpha: floa
                     measure: bool) -> tuple[AverageResult, list[torch.Tensor]]:
     """``W += alpha * (C - W_snapshot)`` per parameter group, float buffers overwritten;
     returns the divergence triple (snapshot vs consensus) and the consensus tensors."""
-    from ddpbus.codecs.tensor import unpack_tensors
-
     flat.ensure_flat()
     tensors = unpack_tensors(blob)
     consensus: list[torch.Tensor] = []
     pre_sq = post_sq = diff_sq = 0.0
     with torch.no_grad():
         for i, (f, s) in enumerate(zip(flat.flats, snap.flats, strict=True)):
-            chunk = tensors.get(f"param.{i}")
+            chunk = tensors.get(round_param(i))
             if chunk is None:
-                raise ValueError(f"the consensus has no param.{i}")
+                raise ValueError(f"the consensus has no {round_param(i)}")
             c = _tensor(chunk, f)
             if measure:
                 pre_sq += _norm(s) ** 2
@@ -289,10 +284,11 @@ def apply_consensus(flat: FlatModel, snap: Snapshot, blob: bytes, *, alpha: floa
                 f.add_(c - s, alpha=alpha)
             consensus.append(c)
         buffers = flat.buffers()
-        if BUFFERS in tensors and buffers:
-            if tensors[BUFFERS].dtype != "float32":
-                raise ValueError(f"consensus buffers are {tensors[BUFFERS].dtype}, not float32")
-            packed = torch.frombuffer(bytearray(tensors[BUFFERS].data), dtype=torch.float32)
+        packed_chunk = tensors.get(ROUND_BUFFERS)
+        if packed_chunk is not None and buffers:
+            if packed_chunk.dtype != "float32":
+                raise ValueError(f"consensus buffers are {packed_chunk.dtype}, not float32")
+            packed = torch.frombuffer(bytearray(packed_chunk.data), dtype=torch.float32)
             if packed.numel() != sum(b.numel() for b in buffers):
                 raise ValueError("the consensus buffers do not match this rank's")
             offset = 0

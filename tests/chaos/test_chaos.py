@@ -415,7 +415,7 @@ def test_sigkill_the_coordinator_at_a_random_moment_and_restart_it(
         deadline = time.monotonic() + 60
         while (in_flight := tail.average_in_flight()) is None:
             assert time.monotonic() < deadline, f"seed {seed}: never saw an average in flight"
-            time.sleep(0.001)
+            time.sleep(0.001)  # poll interval of a deadline-bound wait (a short round)
         print(f"killing the coordinator while round {in_flight} is in flight")
     else:
         at = len(lines(ledger, 0)) + rng.randint(0, 1000)  # a random sample of the epoch

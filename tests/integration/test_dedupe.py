@@ -33,7 +33,7 @@ async def store_copies(url: str, job: str, subject: str, count: int) -> int:
             break
         except NotFoundError:
             assert time.monotonic() < deadline, "the job's stream never appeared"
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # poll interval of a deadline-bound wait
     config: StreamConfig = info.config
     config.duplicate_window = 0.1  # s, the least the server takes: the originals fall out
     await js.update_stream(config)
@@ -46,7 +46,7 @@ async def store_copies(url: str, job: str, subject: str, count: int) -> int:
             if not ack.duplicate:
                 break
             assert time.monotonic() < deadline, "the duplicate window never passed"
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # retry interval, bounded by the deadline
         stored += 1
     await sub.unsubscribe()
     await nc.close()

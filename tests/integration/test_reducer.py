@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.tensor import pack_tensors, unpack_tensors
-from ddpbus.orchestrator import reducer
+from ddpbus.orchestrator import bus, reducer
 from ddpbus.orchestrator.broker import EmbeddedBroker
 from ddpbus.orchestrator.bus import connect
 from ddpbus.orchestrator.state import Contribution, Reduce
@@ -24,28 +25,28 @@ async def test_reduce_round_trip_and_refusals(broker: EmbeddedBroker, fault: str
     nc = await connect(broker.url, name="reducer-test")
     js = nc.jetstream()
     store = await reducer.rounds_store(js, "red")
-    chunk = reducer.chunk_size(nc.max_payload)
+    chunk = bus.object_chunk(nc.max_payload)
     rng = np.random.default_rng(3)
     params = [rng.standard_normal(300_000).astype(np.float32) for _ in range(3)]
     masses = [2.0, 5.0, 1.0]
     contributions = []
     for rank, (p, mass) in enumerate(zip(params, masses, strict=True)):
         blob = _blob(p, mass)
-        digest = await reducer.put_object(store, reducer.contribution_name(1, rank), blob,
+        digest = await bus.put_object(store, sj.round_contribution(1, rank), blob,
                                           chunk)
         contributions.append(Contribution(rank=rank, mass=mass, step=1, digest=digest,
                                           nbytes=len(blob)))
     if fault == "altered":  # someone replaced rank 1's object after it announced it
-        await reducer.put_object(store, reducer.contribution_name(1, 1),
+        await bus.put_object(store, sj.round_contribution(1, 1),
                                  _blob(params[1], 9.0), chunk)
     elif fault == "missing":
-        await store.delete(reducer.contribution_name(1, 2))
+        await store.delete(sj.round_contribution(1, 2))
     result = await reducer.Reducer(js, "red", nc.max_payload).run(
         Reduce(version=1, contributions=tuple(contributions)))
     names = {i.name for i in await store.list(ignore_deletes=True)}
     if fault == "none":
         assert result.ok, result.detail
-        blob, _ = await reducer.read_object(store, reducer.consensus_name(1))
+        blob, _ = await bus.read_object(store, sj.round_consensus(1))
         out = unpack_tensors(blob)
         want = sum(m * p.astype(np.float64) for m, p in zip(masses, params, strict=True))
         got = np.frombuffer(out["param.0"].data, dtype=np.float32)

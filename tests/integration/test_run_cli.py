@@ -62,7 +62,7 @@ def _wait_for(path: Path, needle: str, within: float) -> None:
     while time.monotonic() < deadline:
         if path.exists() and needle in path.read_text():
             return
-        time.sleep(0.1)
+        time.sleep(0.1)  # poll interval of a deadline-bound wait
     raise AssertionError(f"{needle!r} never appeared in {path}")
 
 

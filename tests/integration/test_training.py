@@ -79,6 +79,17 @@ def _ledger(path: Path) -> list[tuple[int, int]]:
     return pairs
 
 
+def _each_sample_once(ledger: Path, epochs: int) -> None:
+    """The workers' ledger holds every sample of every epoch exactly once."""
+    trained = Counter(_ledger(ledger))
+    per_epoch = (N_TRAIN // BATCH) * BATCH
+    for epoch in range(epochs):
+        expected = set(epoch_permutation(N_TRAIN, 42, epoch)[:per_epoch].tolist())
+        got = {i for (e, i) in trained if e == epoch}
+        assert got == expected, f"epoch {epoch}: {len(expected ^ got)} samples differ"
+    assert set(trained.values()) == {1}, "a sample was trained twice in one epoch"
+
+
 @pytest.mark.parametrize("progressive", [True, False], ids=["progressive", "partitions"])
 @pytest.mark.parametrize("policy", ["sync", "cadence", "async"])
 def test_every_sample_once_converges_and_replicas_agree(broker: EmbeddedBroker,
@@ -97,13 +108,7 @@ def test_every_sample_once_converges_and_replicas_agree(broker: EmbeddedBroker,
     assert summary["policy"] == policy
     assert summary["progressive"] is progressive
     assert summary["epochs"] == epochs
-    trained = Counter(_ledger(ledger))
-    per_epoch = (N_TRAIN // BATCH) * BATCH
-    for epoch in range(epochs):
-        expected = set(epoch_permutation(N_TRAIN, 42, epoch)[:per_epoch].tolist())
-        got = {i for (e, i) in trained if e == epoch}
-        assert got == expected, f"epoch {epoch}: {len(expected ^ got)} samples differ"
-    assert set(trained.values()) == {1}, "a sample was trained twice in one epoch"
+    _each_sample_once(ledger, epochs)
     assert summary["test_accuracy"] >= 0.95, summary["eval"]
     _same_replicas(job.out, 2)
 
@@ -130,12 +135,7 @@ def test_broker_backend_every_sample_once_converges_and_replicas_agree(
     assert summary["backend"] == "broker"
     assert summary["schedule"]["easgd_alpha"] == (0.5 if policy == "async" else 1.0)
     assert summary["snapshot_aborts"] == 0
-    trained = Counter(_ledger(ledger))
-    per_epoch = (N_TRAIN // BATCH) * BATCH
-    for epoch in range(20):
-        expected = set(epoch_permutation(N_TRAIN, 42, epoch)[:per_epoch].tolist())
-        assert {i for (e, i) in trained if e == epoch} == expected, f"epoch {epoch}"
-    assert set(trained.values()) == {1}, "a sample was trained twice in one epoch"
+    _each_sample_once(ledger, 20)
     assert summary["test_accuracy"] >= 0.95, summary["eval"]
     _same_replicas(job.out, 2)  # every rank ends as the last consensus, EASGD too
     seen = stream_types(broker.url, name)
