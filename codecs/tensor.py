@@ -38,6 +38,10 @@ DTYPE_SIZES: Final[dict[str, int]] = {
 
 _LEN = struct.Struct("<I")
 MAX_HEADER_BYTES: Final = 64 * 1024
+MAX_DIMS: Final = 64
+"""Most dimensions a shape may have (NumPy's limit). It also bounds the byte count a
+shape can name, which a refusal prints: 64 u64 dimensions make at most a 1,300-digit
+number, well inside Python's 4,300-digit limit on turning an int into text."""
 
 
 def _require_little_endian() -> None:
@@ -64,6 +68,8 @@ def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     size = DTYPE_SIZES.get(dtype)
     if size is None:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPE_SIZES)}")
+    if len(shape) > MAX_DIMS:
+        raise ValueError(f"shape has {len(shape)} dimensions, at most {MAX_DIMS} are allowed")
     return size * math.prod(shape)
 
 

@@ -1,0 +1,52 @@
+"""The crashes the fuzz campaign found, each pinned by its smallest input.
+
+Before the fixes each of these raised something other than the decoder's documented
+refusal: a tensor shape with thousands of dimensions (Python refused to print the byte
+count), a contribution blob that does not unpack (the reducer's task died and its round
+stayed "reducing" for good), lease values and bundle manifests with numbers no int or
+float holds, nesting deeper than the JSON parser recurses, and bundle meta records whose
+bad values only failed later: seeding the core, publishing SetGlobalStep, writing the next
+bundle's meta or the run summary.
+"""
+
+from __future__ import annotations
+
+import fuzz_corpus as fc
+import pytest
+from fuzz_mutate import delimited, key, resigned, varint
+
+from ddpbus.codecs import tensor
+from ddpbus.codecs._pb import ddpbus_pb2 as pb
+from ddpbus.codecs.envelope import Envelope
+from ddpbus.codecs.errors import InvalidField
+
+# ------------------------------------------------------------------- tensor frames
+
+
+def _frame_with_dims(dims: int) -> bytes:
+    header = pb.TensorFrameHeader(name="w", dtype="float32", total_bytes=4,
+                                  chunk_count=1).SerializeToString()
+    header += delimited(3, varint(2**64 - 1) * dims)  # shape: packed u64s
+    return len(header).to_bytes(4, "little") + header + bytes(4)
+
+
+def test_a_frame_shape_of_a_thousand_dimensions_is_an_invalid_field() -> None:
+    with pytest.raises(InvalidField, match="1000 dimensions, at most 64"):
+        tensor.decode_frame(_frame_with_dims(1000))
+    # through the envelope too, signed by a rank that holds the key
+    seed = fc.seeds(tensor.TYPE_NAME)[0]
+    got = fc.decode(fc.decoder(), resigned(fc.Inbound(seed.subject, seed.headers,
+                                                      _frame_with_dims(1000))))
+    assert not isinstance(got, Envelope)
+    assert got.reason == "invalid-field"
+
+
+def test_sixty_four_dimensions_still_decode_to_a_mismatch_not_a_crash() -> None:
+    with pytest.raises(InvalidField, match="shape needs"):
+        tensor.decode_frame(_frame_with_dims(tensor.MAX_DIMS))
+
+
+def test_wire_helpers_write_what_protobuf_reads() -> None:
+    msg = pb.TensorFrameHeader()
+    msg.ParseFromString(key(3, 2) + varint(2) + varint(5) + varint(7))
+    assert list(msg.shape) == [5, 7]
