@@ -45,7 +45,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.object_store import ObjectStore
 
 from ddpbus.codecs import subjects as sj
-from ddpbus.codecs.errors import DdpbusError
+from ddpbus.codecs.errors import DdpbusError, DecodeError
 from ddpbus.codecs.tensor import (
     ROUND_BUFFERS,
     TensorChunk,
@@ -113,7 +113,10 @@ class Accumulator:
     movers: int = 0
 
     def add(self, c: Contribution, blob: bytes | memoryview) -> None:
-        tensors = unpack_tensors(blob)
+        try:
+            tensors = unpack_tensors(blob)
+        except DecodeError as exc:  # stored as announced (the digest), but not a blob
+            raise ReduceError(f"rank {c.rank}'s contribution does not unpack: {exc}") from None
         layout = {n: (t.dtype, t.shape) for n, t in tensors.items()}
         if self.layout and layout != self.layout:
             raise ReduceError(f"rank {c.rank}'s contribution has another layout than the "

@@ -19,6 +19,8 @@ from ddpbus.codecs import tensor
 from ddpbus.codecs._pb import ddpbus_pb2 as pb
 from ddpbus.codecs.envelope import Envelope
 from ddpbus.codecs.errors import InvalidField
+from ddpbus.orchestrator.reducer import Accumulator, ReduceError
+from ddpbus.orchestrator.state import Contribution
 
 # ------------------------------------------------------------------- tensor frames
 
@@ -44,6 +46,18 @@ def test_a_frame_shape_of_a_thousand_dimensions_is_an_invalid_field() -> None:
 def test_sixty_four_dimensions_still_decode_to_a_mismatch_not_a_crash() -> None:
     with pytest.raises(InvalidField, match="shape needs"):
         tensor.decode_frame(_frame_with_dims(tensor.MAX_DIMS))
+
+
+# ------------------------------------------------------------------------ reducer
+
+
+@pytest.mark.parametrize("blob", [b"\x01\x00\x00\x00\x00\x00\x00\x00", b"\xff" * 9,
+                                  tensor.pack_tensors([("param.0", "float32", (1,),
+                                                        bytes(4))]) * 2])
+def test_a_contribution_that_does_not_unpack_is_a_reduce_error(blob: bytes) -> None:
+    c = Contribution(rank=2, mass=1.0, step=1, digest="d", nbytes=len(blob))
+    with pytest.raises(ReduceError, match="rank 2's contribution does not unpack"):
+        Accumulator().add(c, blob)
 
 
 def test_wire_helpers_write_what_protobuf_reads() -> None:
