@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,11 +55,20 @@ async def read(kv: KeyValue) -> Holder | None:
         return None
     if not entry.value:
         return None  # deleted (released)
+    return parse(entry.value, int(entry.revision or 0))
+
+
+def parse(value: bytes, revision: int) -> Holder:
+    """A stored lease value. One that does not read as a holder and a finite expiry time
+    (not JSON, nested too deep, a number too large for a float, NaN, infinite) counts as
+    expired: nobody can hold the job with it, so the next coordinator takes over."""
     try:
-        body = json.loads(entry.value)
-        return Holder(str(body["holder"]), float(body["expires"]), int(entry.revision or 0))
-    except (ValueError, KeyError, TypeError):
-        return Holder("?", 0.0, int(entry.revision or 0))  # unreadable: treat as expired
+        body = json.loads(value)
+        holder, expires = str(body["holder"]), float(body["expires"])
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+        return Holder("?", 0.0, revision)
+    return Holder(holder, expires, revision) if math.isfinite(expires) else Holder(
+        "?", 0.0, revision)
 
 
 class Lease:

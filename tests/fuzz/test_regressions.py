@@ -19,6 +19,7 @@ from ddpbus.codecs import tensor
 from ddpbus.codecs._pb import ddpbus_pb2 as pb
 from ddpbus.codecs.envelope import Envelope
 from ddpbus.codecs.errors import InvalidField
+from ddpbus.orchestrator import lease
 from ddpbus.orchestrator.reducer import Accumulator, ReduceError
 from ddpbus.orchestrator.state import Contribution
 
@@ -58,6 +59,22 @@ def test_a_contribution_that_does_not_unpack_is_a_reduce_error(blob: bytes) -> N
     c = Contribution(rank=2, mass=1.0, step=1, digest="d", nbytes=len(blob))
     with pytest.raises(ReduceError, match="rank 2's contribution does not unpack"):
         Accumulator().add(c, blob)
+
+
+# -------------------------------------------------------------------------- lease
+
+
+@pytest.mark.parametrize("value", [
+    b'{"holder": "h", "expires": 1' + b"0" * 400 + b"}",  # an int no float holds
+    b"[" * 100_000,  # deeper than the JSON parser recurses
+    b'{"holder": "h", "expires": NaN}', b'{"holder": "h", "expires": Infinity}',
+    b'{"holder": "h", "expires": "-inf"}', b'["holder", "expires"]'])
+def test_a_lease_value_that_does_not_read_counts_as_expired(value: bytes) -> None:
+    assert lease.parse(value, 7) == lease.Holder("?", 0.0, 7)
+
+
+def test_a_readable_lease_still_reads() -> None:
+    assert lease.parse(b'{"holder": "h:1", "expires": 12}', 3) == lease.Holder("h:1", 12.0, 3)
 
 
 def test_wire_helpers_write_what_protobuf_reads() -> None:
