@@ -91,7 +91,8 @@ class Manifest:
             parts = {p: dict(doc["parts"][p]) for p in PARTS}
             manifest = cls(job=str(doc["job"]), version=int(doc["version"]), store=store,
                            parts=parts, meta=doc["meta"])
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError,
+                RecursionError) as exc:  # Infinity as an int; arrays nested too deep
             raise BundleError(f"{where}: not a ddpbus bundle manifest ({exc!r})") from None
         if schema > SCHEMA_VERSION:
             raise BundleError(f"{where}: bundle schema {schema} is newer than this ddpbus "
@@ -310,13 +311,18 @@ async def resolve(js: JetStreamContext, source: str) -> Manifest:
 def check_fits(manifest: Manifest, *, seed: int, batch_size: int, epochs: int) -> None:
     """Refuse a bundle that this run's settings cannot continue exactly."""
     meta = manifest.meta
+    try:
+        their_seed, their_batch, their_epoch = (int(meta.get("seed", seed)), int(meta.get(
+            "batch_size", batch_size)), int(meta.get("epoch", 0)))
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise BundleError(f"{manifest.describe()}: malformed bundle meta ({exc!r})") from None
     problems = []
-    if int(meta.get("seed", seed)) != seed:
+    if their_seed != seed:
         problems.append(f"seed {meta.get('seed')} (this run: {seed}; the epochs' "
                         "permutations would differ)")
-    if int(meta.get("batch_size", batch_size)) != batch_size:
+    if their_batch != batch_size:
         problems.append(f"batch_size {meta.get('batch_size')} (this run: {batch_size})")
-    if int(meta.get("epoch", 0)) >= epochs:
+    if their_epoch >= epochs:
         problems.append(f"it is at epoch {meta.get('epoch')} and this run has only "
                         f"{epochs} epochs (raise --epochs to train on)")
     if problems:

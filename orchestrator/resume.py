@@ -58,40 +58,81 @@ def meta_json(s: State, epoch: int, reason: str = BOUNDARY) -> str:
 
 
 def point(source: str, version: int, record: dict[str, Any]) -> ResumePoint:
-    """A bundle's meta as the core's :class:`ResumePoint`; a clear error if malformed."""
+    """A bundle's meta as the core's :class:`ResumePoint`; a clear error if malformed.
+
+    The meta comes from storage, so every value that the core, a later bundle's meta and the
+    run summary read is checked and typed here (counters in ``[0, 2**64)``, finite floats,
+    ledgers that JSON can hold) rather than failing there, mid-run."""
     try:
-        epoch = int(record["epoch"])
-        coverage = tuple(dict(c) for c in record.get("coverage", []))
+        epoch = _count(record["epoch"])
+        coverage = tuple(_ledger(c) for c in record.get("coverage", []))
         resumed = ResumePoint(
             source=source, version=version, epoch=epoch,
-            global_step=int(record["global_step"]), rounds=int(record["rounds"]),
-            world_size=int(record["world_size"]),
-            dataset_size=int(record.get("dataset_size", 0)), elche=dict(record.get("elche") or {}),
-            divergence_history=tuple(float(d) for d in record.get("divergence_history", [])),
+            global_step=_count(record["global_step"]), rounds=_count(record["rounds"]),
+            world_size=_count(record["world_size"]),
+            dataset_size=_count(record.get("dataset_size", 0)),
+            elche=_elche(record.get("elche") or {}),
+            divergence_history=tuple(_finite(d) for d in record.get("divergence_history", [])),
             coverage=coverage,
-            eval_history=tuple((int(e), float(v)) for e, v in record.get("eval_history", [])))
-        _check_elche(resumed.elche)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            eval_history=tuple((_count(e), _finite(v))
+                               for e, v in record.get("eval_history", [])))
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise BundleError(f"{source}: malformed bundle meta ({exc!r})") from None
-    if epoch < 0 or resumed.global_step < 0 or len(coverage) != epoch or any(
-            int(c.get("epoch", -1)) != e or not c.get("exact") for e, c in enumerate(coverage)):
+    if len(coverage) != epoch or any(c["epoch"] != e or not c["exact"]
+                                     for e, c in enumerate(coverage)):
         raise BundleError(f"{source}: the bundle's coverage does not prove epochs 0..{epoch - 1}"
                           " trained exactly once; it cannot be resumed exactly")
     return resumed
 
 
-def _check_elche(saved: dict[str, Any]) -> None:
-    """Raise ValueError/TypeError unless ``saved`` is what ElChe.export_state wrote."""
+_U64: Final = 2**64
+
+
+def _count(value: Any) -> int:
+    """A counter as meta() writes it: an integer (a decimal string as a JSON key) in
+    ``[0, 2**64)``; TypeError/ValueError if not."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{value!r} is not a count")
+    if not 0 <= value < _U64:
+        raise ValueError(f"{value} is outside [0, 2**64)")
+    return value
+
+
+def _finite(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{value!r} is not a number")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{value!r} is not a finite number")
+    return number
+
+
+def _ledger(saved: Any) -> dict[str, Any]:
+    """One epoch's coverage ledger (what ``Pool.ledger`` wrote), its counts typed."""
+    ledger = dict(saved)
+    ledger |= {k: _count(ledger[k]) for k in ("epoch", "batches", "trained")}
+    ledger["exact"] = ledger.get("exact") is True
+    json.dumps(ledger, allow_nan=False)  # it is written into later bundles' meta
+    return ledger
+
+
+def _elche(saved: dict[str, Any]) -> dict[str, Any]:
+    """What ElChe.export_state wrote, with the types ElChe.restore_state reads; raises
+    ValueError/TypeError unless it is that."""
     if not saved:
-        return
-    int(saved["anchor"])
-    for rank, ms in dict(saved.get("smoothed_ms", {})).items():
-        int(rank)
-        if ms is not None:
-            float(ms)
-    for rank, count in dict(saved.get("counts", {})).items():
-        int(rank)
-        int(count)
+        return {}
+    smoothed = {str(_count(r)): None if ms is None else _finite(ms)
+                for r, ms in dict(saved.get("smoothed_ms", {})).items()}
+    counts = {str(_count(r)): _count(c) for r, c in dict(saved.get("counts", {})).items()}
+    anchor_rank = saved.get("anchor_rank")
+    return {"anchor": _count(saved["anchor"]),
+            "anchor_rank": None if anchor_rank is None else _count(anchor_rank),
+            "calibrations": _count(saved.get("calibrations", 0)),
+            "growth_latched": saved.get("growth_latched", False) is True,
+            "stable_streak": _count(saved.get("stable_streak", 0)),
+            "smoothed_ms": smoothed, "counts": counts}
 
 
 def seed(s: State) -> None:
@@ -105,7 +146,7 @@ def seed(s: State) -> None:
     s.eval_history = list(r.eval_history)
     s.guard.history.extend(r.divergence_history)
     if r.elche:
-        s.elche.restore_state(r.elche)  # checked by point()
+        s.elche.restore_state(r.elche)  # typed by point()
 
 
 def ledgers(s: State) -> list[dict[str, Any]]:

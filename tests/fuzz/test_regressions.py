@@ -11,7 +11,14 @@ bundle's meta or the run summary.
 
 from __future__ import annotations
 
+import copy
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
 import fuzz_corpus as fc
+import fuzz_states
 import pytest
 from fuzz_mutate import delimited, key, resigned, varint
 
@@ -19,7 +26,7 @@ from ddpbus.codecs import tensor
 from ddpbus.codecs._pb import ddpbus_pb2 as pb
 from ddpbus.codecs.envelope import Envelope
 from ddpbus.codecs.errors import InvalidField
-from ddpbus.orchestrator import lease
+from ddpbus.orchestrator import bundles, lease, resume
 from ddpbus.orchestrator.reducer import Accumulator, ReduceError
 from ddpbus.orchestrator.state import Contribution
 
@@ -75,6 +82,64 @@ def test_a_lease_value_that_does_not_read_counts_as_expired(value: bytes) -> Non
 
 def test_a_readable_lease_still_reads() -> None:
     assert lease.parse(b'{"holder": "h:1", "expires": 12}', 3) == lease.Holder("h:1", 12.0, 3)
+
+
+# ----------------------------------------------------------------- bundle manifests
+
+
+@pytest.fixture(scope="module")
+def finishing() -> Any:
+    return fuzz_states.fresh("finishing")
+
+
+def _edited(raw: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
+    doc = json.loads(raw)
+    edit(doc)
+    return json.dumps(doc).encode()
+
+
+def _meta(edit: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], None]:
+    return lambda doc: edit(doc["meta"])
+
+
+MANIFESTS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "version-infinity": (lambda d: d.update(version=math.inf), "manifest"),
+    "seed-a-list": (_meta(lambda m: m.update(seed=[1])), "fits"),
+    "epoch-infinity": (_meta(lambda m: m.update(epoch=math.inf)), "fits"),
+    "coverage-epoch-infinity": (_meta(lambda m: m["coverage"][0].update(epoch=math.inf)),
+                                "meta"),
+    "coverage-epoch-a-list": (_meta(lambda m: m["coverage"][0].update(epoch=[0])), "meta"),
+    # these passed the checks and failed later, in the running coordinator
+    "elche-streak-infinity": (_meta(lambda m: m["elche"].update(stable_streak=math.inf)),
+                              "meta"),  # seeding the core (ElChe.restore_state)
+    "elche-calibrations-text": (_meta(lambda m: m["elche"].update(calibrations="x")), "meta"),
+    "elche-ms-text": (_meta(lambda m: m["elche"]["smoothed_ms"].update({"0": "5"})), "meta"),
+    "global-step-past-u64": (_meta(lambda m: m.update(global_step=2**64)), "meta"),  # publish
+    "coverage-without-trained": (_meta(lambda m: m["coverage"][0].pop("trained")),
+                                 "meta"),  # the run summary
+    "coverage-gaps-nan": (_meta(lambda m: m["coverage"][0].update(gaps=[math.nan])),
+                          "meta"),  # the next bundle's meta (allow_nan=False)
+}
+
+
+@pytest.mark.parametrize("case", sorted(MANIFESTS))
+def test_a_bad_manifest_is_a_bundle_error_where_it_is_read(case: str, finishing: Any) -> None:
+    edit, stage = MANIFESTS[case]
+    raw = _edited(fuzz_states.manifest(finishing), edit)
+    assert fuzz_states.resume_from(raw, finishing) == f"refused-by-{stage}"
+
+
+def test_a_manifest_nested_too_deep_is_a_bundle_error() -> None:
+    with pytest.raises(bundles.BundleError, match="not a ddpbus bundle manifest"):
+        bundles.Manifest.from_json(b"[" * 100_000, "deep")
+
+
+def test_the_meta_a_run_writes_still_resumes(finishing: Any) -> None:
+    assert fuzz_states.resume_from(fuzz_states.manifest(finishing), finishing) == "accepted"
+    meta = copy.deepcopy(resume.meta(finishing, epoch=0))
+    point = resume.point("here", 1, meta)
+    assert point.elche["smoothed_ms"] == meta["elche"]["smoothed_ms"]
+    assert point.coverage[0]["trained"] == meta["coverage"][0]["trained"]
 
 
 def test_wire_helpers_write_what_protobuf_reads() -> None:
