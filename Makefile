@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.ddpbus-deps
 EDITABLE := --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
 
-.PHONY: install test lint typecheck pytest demo codegen bench clean
+.PHONY: install test lint typecheck pytest demo codegen bench fuzz clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,25 @@ bench: install
 	$(PY) bench/control_latency.py
 	$(PY) bench/recovery.py
 	$(PY) bench/averaging.py
+
+# the fuzz campaign (issue 8): FUZZ_EXAMPLES mutated payloads per message family and kind
+# through the hypothesis tests, then ATHERIS_RUNS libFuzzer inputs per atheris target; one
+# JSON report (crash inputs, if any, land beside it). `make pytest` runs a small CI share.
+FUZZ_EXAMPLES ?= 100000
+ATHERIS_RUNS ?= 100000
+FUZZ_REPORT ?= build/fuzz/report.json
+ATHERIS_TARGETS := ControlMsg TimingMsg MetricsMsg JoinMsg AdmitMsg TensorFrame TensorBlob \
+	Snapshot BundleManifest Lease
+
+fuzz: install
+	mkdir -p $(dir $(FUZZ_REPORT))
+	rm -f $(FUZZ_REPORT)
+	DDPBUS_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) DDPBUS_FUZZ_REPORT=$(FUZZ_REPORT) \
+		$(PY) -m pytest tests/fuzz --timeout=3600 --ignore=tests/fuzz/test_atheris.py
+	for target in $(ATHERIS_TARGETS); do \
+		$(PY) tests/fuzz/atheris_decoders.py -atheris_runs=$(ATHERIS_RUNS) -target=$$target \
+			-report=$(FUZZ_REPORT) -artifact_prefix=$(dir $(FUZZ_REPORT)) || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis
