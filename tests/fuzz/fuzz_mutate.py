@@ -90,6 +90,15 @@ _WIRE_TYPE: Final = {FD.TYPE_DOUBLE: 1, FD.TYPE_FIXED64: 1, FD.TYPE_SFIXED64: 1,
                      FD.TYPE_STRING: 2, FD.TYPE_BYTES: 2, FD.TYPE_MESSAGE: 2}
 
 
+PATCH_BYTES: Final = 2 * DEFAULT_MESSAGE_CAP
+"""The most a repeated field may grow to: past the size cap (oversize is a refusal worth
+reaching), but repeats of repeats can never multiply into gigabytes."""
+
+
+def _repeat(unit: bytes, count: int) -> bytes:
+    return unit * min(count, PATCH_BYTES // max(1, len(unit)))
+
+
 class _Fields:
     """Hostile values of protobuf fields, encoded by hand."""
 
@@ -123,14 +132,13 @@ class _Fields:
             inner = self.message(f.message_type) if rng.random() < 0.85 else rng.randbytes(
                 rng.randrange(24))
             count = rng.choice((1, 1, 1, 2, 1000, 20_000)) if f.is_repeated else 1
-            return delimited(f.number, inner) * count
+            return _repeat(delimited(f.number, inner), count)
         if f.is_repeated and rng.random() < 0.6:
             count = rng.choice((0, 1, 3, 1000, 100_000))
             if _WIRE_TYPE.get(f.type, 0) == 2:
                 return b"".join(key(f.number, 2) + self.scalar(f) for _ in range(min(count,
                                                                                      2000)))
-            element = self.scalar(f)
-            return delimited(f.number, element * count)  # packed
+            return delimited(f.number, _repeat(self.scalar(f), count))  # packed
         return key(f.number, _WIRE_TYPE.get(f.type, 0)) + self.scalar(f)
 
     def message(self, desc: Descriptor, depth: int = 0) -> bytes:
@@ -140,10 +148,12 @@ class _Fields:
             return key(rng.choice((15, 16, 999, 2**29 - 1)), 0) + varint(rng.getrandbits(20))
         out = b""
         for _ in range(rng.choice((1, 1, 2))):
+            if len(out) > PATCH_BYTES:
+                break
             f = rng.choice(desc.fields)
             if f.type == FD.TYPE_MESSAGE and depth < 4 and rng.random() < 0.7:
-                out += delimited(f.number, self.message(f.message_type, depth + 1)) * (
-                    rng.choice((1, 1, 3, 500)) if f.is_repeated else 1)
+                out += _repeat(delimited(f.number, self.message(f.message_type, depth + 1)),
+                               rng.choice((1, 1, 3, 500)) if f.is_repeated else 1)
             else:
                 out += self.one(f)
         return out
