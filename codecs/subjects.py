@@ -161,6 +161,17 @@ def rounds_bucket(job: str) -> str:
     return f"{kv_bucket(job)}_rounds"
 
 
+def bundles_bucket(job: str) -> str:
+    """The Object Store bucket of the job's resume bundles."""
+    return f"{kv_bucket(job)}_bundles"
+
+
+def inbox_prefix(job: str, identity: str) -> str:
+    """The reply-inbox prefix of one identity (``coordinator``, ``observer``, ``rank-N``) in
+    a job: its permissions let it read its own replies and nobody else's."""
+    return f"_INBOX.{check_job(job)}.{identity}"
+
+
 def round_contribution(version: int, rank: int) -> str:
     """Rank ``rank``'s contribution to round ``version`` (an object in :func:`rounds_bucket`)."""
     return f"v{version}.rank{rank}"

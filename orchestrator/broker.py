@@ -44,6 +44,11 @@ class BrokerConfig:
     port: int = 0  # 0: any free port
     store_dir: Path | None = None  # None: a temporary directory removed on stop
     config_file: Path | None = None  # extra nats-server configuration, included last
+    # an ``authorization`` block (``auth.write_credentials``): no anonymous clients
+    auth_file: Path | None = None
+    tls_cert: Path | None = None  # server certificate and key: clients must use TLS
+    tls_key: Path | None = None
+    tls_ca: Path | None = None  # with it, clients must present a certificate it signed
     max_payload: int = DEFAULT_MAX_PAYLOAD
     monitor_port: int | None = None  # 0: any free port; None: no monitoring endpoint
     startup_timeout: timedelta = field(default=timedelta(seconds=15))
@@ -55,8 +60,15 @@ class BrokerConfig:
             raise ConfigError(f"monitor port {self.monitor_port} is not in 0..65535")
         if not 1024 <= self.max_payload <= 64 * 1024 * 1024:
             raise ConfigError(f"max_payload {self.max_payload} is not in 1 KiB..64 MiB")
-        if self.config_file is not None and not self.config_file.is_file():
-            raise ConfigError(f"broker config file {self.config_file} does not exist")
+        for name in ("config_file", "auth_file", "tls_cert", "tls_key", "tls_ca"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ConfigError(f"broker {name.replace('_', ' ')} {path} does not exist")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("the broker's TLS certificate needs its key, and the key its "
+                              "certificate")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise ConfigError("a client CA (mutual TLS) needs the server's own certificate")
 
 
 def find_server() -> Path:
@@ -103,10 +115,18 @@ class EmbeddedBroker:
             f"max_payload: {self.config.max_payload}",
             f"max_pending: {max(64 * 1024 * 1024, 2 * self.config.max_payload)}",
         ]
-        if self.config.config_file is not None:
-            # nats-server resolves includes relative to the including file
-            rel = os.path.relpath(self.config.config_file.resolve(), run_dir)
-            lines.append(f"include {json.dumps(rel)}")
+        c = self.config
+        if c.tls_cert is not None and c.tls_key is not None:
+            tls: dict[str, str | bool] = {"cert_file": str(c.tls_cert.resolve()),
+                                          "key_file": str(c.tls_key.resolve())}
+            if c.tls_ca is not None:
+                tls |= {"ca_file": str(c.tls_ca.resolve()), "verify": True}
+            lines.append(f"tls {json.dumps(tls)}")
+        for extra in (c.auth_file, c.config_file):
+            if extra is not None:
+                # nats-server resolves includes relative to the including file
+                rel = os.path.relpath(extra.resolve(), run_dir)
+                lines.append(f"include {json.dumps(rel)}")
         path = run_dir / "ddpbus-broker.conf"
         path.write_text("\n".join(lines) + "\n")
         return path

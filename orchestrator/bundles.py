@@ -50,8 +50,8 @@ from ddpbus.orchestrator import bus
 from ddpbus.orchestrator.resume import SCHEMA_VERSION, BundleError
 
 __all__ = ["LATEST_KEY", "RESUME_KEY", "SCHEMA_VERSION", "BundleError", "Manifest",
-           "bucket", "check_fits", "latest", "read_blobs", "read_directory", "resolve",
-           "write"]
+           "bucket", "check_fits", "latest", "object_store", "read_blobs", "read_directory",
+           "resolve", "write"]
 
 LATEST_KEY: Final = "bundle.latest"
 RESUME_KEY: Final = "bundle.resume"
@@ -60,7 +60,7 @@ PARTS: Final = ("model", "optim")
 
 
 def bucket(job: str) -> str:
-    return f"{sj.kv_bucket(job)}_bundles"
+    return sj.bundles_bucket(job)
 
 
 def _digest(blob: bytes) -> str:
@@ -118,7 +118,7 @@ async def write(js: JetStreamContext, job: str, version: int, blobs: Mapping[str
     ``latest.json``. Returns the manifest."""
     if directory is None:
         parts: dict[str, dict[str, Any]] = {}
-        store = await _object_store(js, job, create=True)
+        store = await object_store(js, job, create=True)
         for part in PARTS:
             name = f"v{version}/{part}.safetensors"
             await store.put(name, blobs[part])
@@ -190,8 +190,8 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise BundleError(f"cannot write {path}: {exc}") from exc
 
 
-async def _object_store(js: JetStreamContext, job: str, *, create: bool = False
-                        ) -> ObjectStore:
+async def object_store(js: JetStreamContext, job: str, *, create: bool = False
+                       ) -> ObjectStore:
     try:
         return await js.object_store(bucket(job))
     except (BucketNotFoundError, NotFoundError):
@@ -203,7 +203,7 @@ async def _object_store(js: JetStreamContext, job: str, *, create: bool = False
 
 async def _prune(js: JetStreamContext, job: str, newest: int) -> None:
     """Delete object-store bundles older than the last ``KEEP_VERSIONS``."""
-    store = await _object_store(js, job)
+    store = await object_store(js, job)
     try:
         infos = await store.list(ignore_deletes=True)
     except NotFoundError:

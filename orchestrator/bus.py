@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import nats
 from nats.aio.client import Client
@@ -40,6 +40,7 @@ from nats.js.object_store import ObjectStore
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
+    retry_if_exception,
     retry_if_exception_type,
     retry_if_not_exception_type,
     stop_after_attempt,
@@ -50,6 +51,9 @@ from tenacity import (
 
 from ddpbus.codecs import Outbound
 from ddpbus.codecs.errors import DdpbusError
+
+if TYPE_CHECKING:
+    from ddpbus.orchestrator.auth import NatsAuth
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +85,39 @@ def redact(url: str) -> str:
     return f"{scheme}://{user + ':' if user else ''}***@{host}"
 
 
+class _ErrorLog:
+    """One client's nats-py error callback: a refused first login is remembered (retrying
+    cannot help), every refused publish or subscription is logged (the connection stays
+    up), an outage once."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.outage = 0  # errors since the connection was last good
+        self.refused: list[str] = []
+        self.connected = False
+
+    async def on_error(self, exc: Exception) -> None:
+        text = str(exc)
+        if "authorization violation" in text.lower() and not self.connected:
+            self.refused.append(text)
+        elif "permissions violation" in text.lower():
+            log.error("%s: refused by the NATS server: %s", self.name, text)
+        else:
+            self.outage += 1
+            if self.outage == 1:  # one line per outage, not one per attempt
+                log.warning("%s: NATS connection trouble (%s: %s); reconnecting", self.name,
+                            type(exc).__name__, text)
+
+
 async def connect(url: str, *, name: str, deadline: timedelta = timedelta(seconds=30),
-                  user_credentials: str | None = None, on_disconnect: Hook | None = None,
-                  on_reconnect: Hook | None = None) -> Client:
+                  auth: NatsAuth | None = None, inbox_prefix: str | None = None,
+                  on_disconnect: Hook | None = None, on_reconnect: Hook | None = None
+                  ) -> Client:
     """Connect with exponential back-off until ``deadline``; afterwards reconnect forever.
+
+    ``auth`` says who this client is (and how it trusts the server's TLS certificate);
+    ``inbox_prefix`` is its identity's reply inbox (``subjects.inbox_prefix``), the only one
+    its permissions let it read. A refused login is not retried: it cannot get better.
 
     The first connect must fail fast to be retried here (nats-py hangs on an absent server
     unless reconnects are bounded); once connected, the client reconnects without limit,
@@ -96,19 +129,13 @@ async def connect(url: str, *, name: str, deadline: timedelta = timedelta(second
     # reconnects wait at most 1 s: a client back late after a broker restart would look
     # dead to a coordinator that is already back
     reconnect_backoff = wait_exponential(multiplier=0.05, max=1.0)
-    outage = {"errors": 0}
+    errors = _ErrorLog(name)
     nc: Client | None = None
 
     def next_server(servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
         state = RetryCallState(AsyncRetrying(), None, (), {})
         state.attempt_number = 1 + min((s.reconnects for s in servers), default=0)
         return None, reconnect_backoff(state)
-
-    async def on_error(exc: Exception) -> None:
-        outage["errors"] += 1
-        if outage["errors"] == 1:  # one line per outage, not one per attempt
-            log.warning("%s: NATS connection trouble (%s: %s); reconnecting", name,
-                        type(exc).__name__, exc)
 
     async def disconnected() -> None:
         # what sat in the client's write buffer when the link broke would be flushed on
@@ -124,31 +151,42 @@ async def connect(url: str, *, name: str, deadline: timedelta = timedelta(second
 
     async def reconnected() -> None:
         log.warning("%s: reconnected to NATS after %d failed attempts", name,
-                    max(0, outage["errors"] - 1))
-        outage["errors"] = 0
+                    max(0, errors.outage - 1))
+        errors.outage = 0
         if on_reconnect is not None:
             await on_reconnect()
 
+    options = auth.connect_options() if auth is not None else {}
+    if inbox_prefix is not None:
+        options["inbox_prefix"] = inbox_prefix
     try:
         async for attempt in AsyncRetrying(
             stop=stop_after_delay(deadline.total_seconds()),
             wait=backoff,
-            retry=retry_if_exception_type(_NATS_ERRORS),
+            retry=retry_if_exception_type(_NATS_ERRORS)
+            & retry_if_not_exception_type(nats.errors.AuthorizationError)
+            & retry_if_exception(lambda _: not errors.refused),
             reraise=True,
         ):
             with attempt:
                 nc = await nats.connect(
-                    url, name=name, user_credentials=user_credentials,
+                    url, name=name, **options,
                     connect_timeout=2, max_reconnect_attempts=1, reconnect_time_wait=0.1,
                     # no silent buffering while reconnecting: a publish then fails at once
                     # and its owner retries it in order (see Publisher)
-                    allow_reconnect=True, pending_size=0, error_cb=on_error,
+                    allow_reconnect=True, pending_size=0, error_cb=errors.on_error,
                     disconnected_cb=disconnected,
                     reconnected_cb=reconnected, reconnect_to_server_handler=next_server,
                 )
                 nc.options["max_reconnect_attempts"] = -1  # connected: never give up again
+                errors.connected = True
                 return nc
     except _NATS_ERRORS as exc:
+        if errors.refused or isinstance(exc, nats.errors.AuthorizationError):
+            why = errors.refused[-1] if errors.refused else exc
+            raise BusUnavailable(f"NATS at {redact(url)} refused {name}'s login ({why}): "
+                                 "check its credentials (--nats-nkey, --nats-user, "
+                                 "--nats-creds or the URL)") from exc
         raise BusUnavailable(f"cannot reach NATS at {redact(url)} within {deadline}: {exc}"
                              ) from exc
     raise BusUnavailable(f"cannot reach NATS at {redact(url)}")  # pragma: no cover

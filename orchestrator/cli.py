@@ -23,6 +23,8 @@ from typing import Any
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import ConfigError, DdpbusError
 from ddpbus.orchestrator import commands
+from ddpbus.orchestrator.auth import COORDINATOR, Access, write_credentials
+from ddpbus.orchestrator.auth import ENV as NATS_AUTH_ENV
 from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
 
 log = logging.getLogger("ddpbus.cli")
@@ -36,11 +38,18 @@ ENV_VARS: dict[str, dict[str, str]] = {
         "config": "DDPBUS_BROKER_CONFIG",
         "max_payload": "DDPBUS_BROKER_MAX_PAYLOAD",
         "monitor_port": "DDPBUS_BROKER_MONITOR_PORT",
+        "auth": "DDPBUS_BROKER_AUTH",
+        "job": "DDPBUS_JOB",
+        "world_size": "DDPBUS_WORLD_SIZE",
+        "tls_cert": "DDPBUS_BROKER_TLS_CERT",
+        "tls_key": "DDPBUS_BROKER_TLS_KEY",
+        "tls_ca": "DDPBUS_BROKER_TLS_CA",
     },
     "init-job": {
         "job": "DDPBUS_JOB",
         "nats": "DDPBUS_NATS_URL",
         "world_size": "DDPBUS_WORLD_SIZE",
+        **{f"nats_{field}": var for field, var in NATS_AUTH_ENV.items()},
     },
     **commands.ENV_VARS,
 }
@@ -95,6 +104,22 @@ def build_parser() -> argparse.ArgumentParser:
     broker.add_argument("--max-payload", type=_positive, help="server max_payload in bytes "
                         "(default 8 MiB)")
     broker.add_argument("--monitor-port", type=_port, help="HTTP monitoring port (0 = free)")
+    sec = broker.add_argument_group("security")
+    sec.add_argument("--auth", type=Path, metavar="DIR", help="admit only the identities of "
+                     "--job (coordinator, observer, rank-0 .. rank-N-1), each with its own "
+                     "nkey and subject permissions: seeds <identity>.nk are made in DIR "
+                     "(kept when present) with authorization.conf")
+    sec.add_argument("--job", type=_job, help="with --auth: the job (env DDPBUS_JOB)")
+    sec.add_argument("--world-size", type=_positive, help="with --auth: its number of ranks "
+                     "(env DDPBUS_WORLD_SIZE)")
+    sec.add_argument("--resume-from", action="append", default=[], type=_job, metavar="JOB",
+                     help="with --auth: an earlier job on this broker whose bundles the job "
+                     "may read (coordinator --resume JOB); repeatable")
+    sec.add_argument("--tls-cert", type=Path, metavar="FILE", help="server certificate: "
+                     "clients must connect with TLS")
+    sec.add_argument("--tls-key", type=Path, metavar="FILE", help="its private key")
+    sec.add_argument("--tls-ca", type=Path, metavar="FILE", help="CA of client "
+                     "certificates: clients must present one (mutual TLS)")
 
     init = sub.add_parser("init-job", help="create a job's stream, KV bucket and consumers",
                           description="Create (or update) the JetStream stream, KV bucket "
@@ -103,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--nats", help="NATS URL (env DDPBUS_NATS_URL)")
     init.add_argument("--world-size", type=_positive, help="number of ranks "
                       "(env DDPBUS_WORLD_SIZE)")
+    commands.nats_auth_flags(init)
     commands.add_parsers(sub)
     return parser
 
@@ -124,7 +150,8 @@ def merge_env(parser: argparse.ArgumentParser, args: argparse.Namespace,
         "store": Path, "config": Path, "job": _job, "key_file": Path, "summary": Path,
         "events": Path, "out": Path, "rank": _nonneg_int, "workers": _positive,
         "torch_threads": _positive, "bundle_dir": Path, "metrics_port": _port,
-        "report": Path,
+        "report": Path, "auth": Path, "tls_cert": Path, "tls_key": Path, "tls_ca": Path,
+        **{f"nats_{f}": Path for f in NATS_AUTH_ENV if f != "user"},
     }
     for dest, var in ENV_VARS.get(args.command, {}).items():
         if getattr(args, dest, None) is None and var in environ:
@@ -156,8 +183,26 @@ def _catch_stop_signals() -> Callable[[], int]:
     return wait
 
 
-def run_broker(args: argparse.Namespace) -> int:
+def _broker_auth(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Path | None:
+    if args.auth is None:
+        if args.resume_from:
+            parser.error("--resume-from goes with --auth")
+        return None
+    missing = [f for f, v in (("--job", args.job), ("--world-size", args.world_size))
+               if v is None]
+    if missing:
+        parser.error(f"--auth needs {' and '.join(missing)} (or their DDPBUS_* variables)")
+    creds = write_credentials(args.auth, args.job, args.world_size,
+                              resume_from=args.resume_from)
+    log.info("identities of job %s: %s (nkey seeds in %s)", args.job,
+             ", ".join(creds.identities), creds.directory)
+    return creds.config
+
+
+def run_broker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     config = BrokerConfig(
+        auth_file=_broker_auth(parser, args),
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
         host=args.host or "127.0.0.1",
         port=args.port if args.port is not None else 0,
         store_dir=args.store,
@@ -183,11 +228,10 @@ def run_broker(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _init_job(url: str, job: str, world_size: int) -> str:
-    from ddpbus.orchestrator.bus import connect
+async def _init_job(nats: Access, job: str, world_size: int) -> str:
     from ddpbus.orchestrator.provision import ensure_job
 
-    nc = await connect(url, name=f"ddpbus-init-{job}")
+    nc = await nats.connect(job, name=f"ddpbus-init-{job}")
     try:
         res = await ensure_job(nc.jetstream(), job, world_size)
     finally:
@@ -201,7 +245,9 @@ def run_init_job(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
                                         ("--world-size", args.world_size)) if value is None]
     if missing:
         parser.error(f"init-job needs {', '.join(missing)} (or their DDPBUS_* variables)")
-    sys.stdout.write(asyncio.run(_init_job(args.nats, args.job, args.world_size)) + "\n")
+    # provisioning takes the coordinator's rights
+    access = commands.nats_access(args, COORDINATOR)
+    sys.stdout.write(asyncio.run(_init_job(access, args.job, args.world_size)) + "\n")
     return 0
 
 
@@ -213,7 +259,9 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     # `kill -USR1 <pid>` prints every thread's stack to stderr: a hung process explains itself
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
-        runners = {"broker": run_broker, "coordinator": commands.run_coordinator,
+        if args.command == "broker":
+            return run_broker(parser, args)
+        runners = {"coordinator": commands.run_coordinator,
                    "worker": commands.run_worker, "run": commands.run_local,
                    "sub": commands.run_sub, "status": commands.run_status,
                    "replay": commands.run_replay, "report": commands.run_report}

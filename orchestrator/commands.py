@@ -17,6 +17,8 @@ from typing import Any
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.envelope import MIN_KEY_BYTES
 from ddpbus.codecs.errors import ConfigError
+from ddpbus.orchestrator.auth import ENV as NATS_AUTH_ENV
+from ddpbus.orchestrator.auth import OBSERVER, Access, NatsAuth
 from ddpbus.orchestrator.config import KNOBS, Schedule, parse_knob_assignments
 
 ENV_VARS: dict[str, dict[str, str]] = {
@@ -42,6 +44,9 @@ ENV_VARS: dict[str, dict[str, str]] = {
     "report": {"job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL",
                "key_file": "DDPBUS_KEY_FILE"},
 }
+
+for _command in ("coordinator", "worker", "sub", "status", "replay", "report"):
+    ENV_VARS[_command] |= {f"nats_{field}": var for field, var in NATS_AUTH_ENV.items()}
 
 POLICIES = ("sync", "cadence", "async")
 BACKENDS = ("auto", "nccl", "gloo", "broker")
@@ -86,12 +91,39 @@ def _schedule_flags(p: argparse.ArgumentParser) -> None:
                    help=f"scheduler knob, repeatable; known: {', '.join(KNOBS)}")
 
 
+def nats_auth_flags(p: argparse.ArgumentParser) -> None:
+    """How a command logs in to NATS and trusts its TLS certificate (subjects.md,
+    "Identities and permissions"); each flag has a ``DDPBUS_NATS_*`` variable."""
+    g = p.add_argument_group("NATS credentials (default: none)")
+    g.add_argument("--nats-nkey", type=Path, metavar="FILE", help="this identity's nkey "
+                   "seed, as `ddpbus broker --auth` writes it (env DDPBUS_NATS_NKEY)")
+    g.add_argument("--nats-creds", type=Path, metavar="FILE", help="a JWT .creds file, for "
+                   "an operator-mode server (env DDPBUS_NATS_CREDS)")
+    g.add_argument("--nats-user", help="user name (env DDPBUS_NATS_USER)")
+    g.add_argument("--nats-password-file", type=Path, metavar="FILE", help="the user's "
+                   "password (env DDPBUS_NATS_PASSWORD_FILE)")
+    g.add_argument("--nats-tls-ca", type=Path, metavar="FILE", help="CA bundle that signed "
+                   "the server's certificate: connect with TLS (env DDPBUS_NATS_TLS_CA)")
+    g.add_argument("--nats-tls-cert", type=Path, metavar="FILE", help="client certificate, "
+                   "for mutual TLS (env DDPBUS_NATS_TLS_CERT)")
+    g.add_argument("--nats-tls-key", type=Path, metavar="FILE", help="its private key "
+                   "(env DDPBUS_NATS_TLS_KEY)")
+
+
+def nats_access(args: argparse.Namespace, identity: str) -> Access:
+    """The command's NATS URL, credentials and identity (files checked now)."""
+    fields = {field: getattr(args, f"nats_{field}", None) for field in NATS_AUTH_ENV}
+    auth = NatsAuth(**fields) if any(v is not None for v in fields.values()) else None
+    return Access(url=args.nats, auth=auth, identity=identity)
+
+
 def _connection_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job", type=_job, help="job name (env DDPBUS_JOB)")
     p.add_argument("--nats", help="NATS URL (env DDPBUS_NATS_URL)")
     p.add_argument("--key-file", type=Path, help="file holding the job key, >= 16 bytes "
                    "(env DDPBUS_KEY_FILE)")
     p.add_argument("--world-size", type=int, help="number of ranks (env DDPBUS_WORLD_SIZE)")
+    nats_auth_flags(p)
 
 
 def _job(text: str) -> str:
@@ -170,6 +202,9 @@ def add_parsers(sub: Any) -> None:
     run.add_argument("--wire-json", action="store_true", help="proto3 JSON payloads")
     run.add_argument("--resume", metavar="DIR", help="continue from the latest resume bundle "
                      "of an earlier run's directory (or a bundle directory)")
+    run.add_argument("--no-auth", action="store_true", help="an open broker: no per-identity "
+                     "credentials or subject permissions (messages are still signed with the "
+                     "job key); for watching with a plain `nats sub`")
     _add_sub(sub)
     _add_status(sub)
     _add_replay(sub)
@@ -182,6 +217,7 @@ def _reader_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job", type=_job, help="job name (env DDPBUS_JOB)")
     p.add_argument("--nats", help="NATS URL (env DDPBUS_NATS_URL)")
     p.add_argument("--key-file", type=Path, help="the job key (env DDPBUS_KEY_FILE)")
+    nats_auth_flags(p)
 
 
 def _reader(args: argparse.Namespace, command: str) -> bytes:
@@ -223,7 +259,8 @@ def run_status(args: argparse.Namespace) -> int:
     from ddpbus.orchestrator import status
 
     key = _reader(args, "status")
-    return asyncio.run(status.show(args.nats, args.job, key, as_json=args.json))
+    return asyncio.run(status.show(nats_access(args, OBSERVER), args.job, key,
+                                   as_json=args.json))
 
 
 def _add_replay(sub: Any) -> None:
@@ -253,7 +290,7 @@ def run_report(args: argparse.Namespace) -> int:
 
     key = _reader(args, "report")
     out = args.out or Path(f"ddpbus-report-{args.job}")
-    index = asyncio.run(report.build(args.nats, args.job, key, out))
+    index = asyncio.run(report.build(nats_access(args, OBSERVER), args.job, key, out))
     print(index)
     return 0
 
@@ -269,7 +306,8 @@ def run_replay(args: argparse.Namespace) -> int:
     from ddpbus.orchestrator import replay
 
     key = _reader(args, "replay")
-    return asyncio.run(replay.replay(args.nats, args.job, key, speed=args.speed))
+    return asyncio.run(replay.replay(nats_access(args, OBSERVER), args.job, key,
+                                     speed=args.speed))
 
 
 def _positive_int(text: str) -> int:
@@ -283,7 +321,7 @@ def run_sub(args: argparse.Namespace) -> int:
     from ddpbus.orchestrator import watch
 
     key = _reader(args, "sub")
-    return asyncio.run(watch.from_args(args, key).run())
+    return asyncio.run(watch.from_args(args, key, nats_access(args, OBSERVER)).run())
 
 
 # ------------------------------------------------------------------ helpers
@@ -343,7 +381,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
                         has_eval=spec.eval_fn is not None,
                         has_checkpoint_fn=spec.checkpoint_fn is not None,
                         has_epoch_fn=spec.epoch_fn is not None)
-    settings = CoordinatorSettings(job=args.job, nats_url=args.nats, key=key,
+    settings = CoordinatorSettings(job=args.job, nats=nats_access(args, sj.COORDINATOR), key=key,
                                    summary_path=args.summary, events_path=args.events,
                                    wire_json=args.wire_json, standby=args.standby,
                                    lease_ttl=args.lease_ttl or 5.0, resume=args.resume,
@@ -365,7 +403,8 @@ def run_worker(args: argparse.Namespace) -> int:
     key = read_key(args.key_file)
     spec = load_spec(args.spec)
     settings = WorkerSettings(job=args.job, rank=args.rank, world_size=args.world_size,
-                              nats_url=args.nats, key=key, out_dir=args.out,
+                              nats=nats_access(args, sj.rank_consumer(args.rank)), key=key,
+                              out_dir=args.out,
                               final_state=args.final_state, device=args.device or "auto",
                               slowdown=args.slowdown, torch_threads=args.torch_threads,
                               wire_json=args.wire_json, exit_grace=WORKER_EXIT_GRACE,

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,13 +28,13 @@ from typing import IO, Any
 
 from rich.console import Console
 
+from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import ConfigError, DdpbusError
-from ddpbus.orchestrator import bundles, bus
+from ddpbus.orchestrator import auth, bundles
 from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
 from ddpbus.orchestrator.commands import load_schedule, schedule_overrides
 from ddpbus.orchestrator.config import Schedule
 from ddpbus.orchestrator.progress import RunMonitor, final_table
-from ddpbus.orchestrator.provision import ensure_job
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +87,12 @@ class LocalRun:
     progress: bool = True
     wire_json: bool = False
     resume: str | None = None  # a directory holding the bundle to continue from
+    authenticate: bool = True  # per-identity nkeys and permissions (``--no-auth``: open)
     report_path: Path | None = None  # the run report, once written
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     _logs: list[IO[bytes]] = field(default_factory=list)
     _stop: bool = False
+    _credentials: auth.Credentials | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LocalRun:
@@ -104,7 +107,8 @@ class LocalRun:
                    out_dir=args.out or Path("ddpbus-runs") / job, job=job,
                    summary_path=args.summary, torch_threads=threads,
                    progress=not args.no_progress and sys.stderr.isatty(),
-                   wire_json=args.wire_json, resume=_resume_dir(args.resume, schedule))
+                   wire_json=args.wire_json, resume=_resume_dir(args.resume, schedule),
+                   authenticate=not args.no_auth)
 
     # --------------------------------------------------------------- processes
 
@@ -127,16 +131,28 @@ class LocalRun:
         self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,  # noqa: S603
                                             env=env, start_new_session=True)
 
+    def _login(self, identity: str) -> list[str]:
+        creds = self._credentials
+        return [] if creds is None else ["--nats-nkey", str(creds.seed(identity))]
+
+    def _access(self, url: str) -> auth.Access:
+        """The launcher's own connection (progress, report): the read-only observer."""
+        creds = self._credentials
+        login = None if creds is None else auth.NatsAuth(nkey=creds.seed(auth.OBSERVER))
+        return auth.Access(url=url, auth=login, identity=auth.OBSERVER)
+
     def _start(self, url: str, key_file: Path) -> None:
         common = ["--job", self.job, "--nats", url, "--key-file", str(key_file),
                   "--world-size", str(self.workers)]
-        self._spawn("coordinator", ["coordinator", *common, *self._flags(),
+        self._spawn("coordinator", ["coordinator", *common, *self._login(auth.COORDINATOR),
+                                    *self._flags(),
                                     "--summary", str(self.out_dir / "summary.json"),
                                     "--events", str(self.out_dir / "events.jsonl"),
                                     *(["--resume", self.resume] if self.resume else []),
                                     self.spec_ref])
         for rank in range(self.workers):
-            argv = ["worker", *common, "--rank", str(rank), "--out", str(self.out_dir),
+            argv = ["worker", *common, *self._login(sj.rank_consumer(rank)),
+                    "--rank", str(rank), "--out", str(self.out_dir),
                     "--bundle-dir", str(self.out_dir / "bundles"),
                     "--torch-threads", str(self.torch_threads)]
             if rank in self.slowdowns:
@@ -180,7 +196,11 @@ class LocalRun:
         key = secrets.token_hex(32).encode()
         key_file.touch(mode=0o600)
         key_file.write_bytes(key)
-        broker = EmbeddedBroker(BrokerConfig(port=0))
+        creds_dir = self.out_dir / ".credentials"
+        if self.authenticate:  # the broker admits exactly this job's identities
+            self._credentials = auth.write_credentials(creds_dir, self.job, self.workers)
+        broker = EmbeddedBroker(BrokerConfig(
+            port=0, auth_file=self._credentials.config if self._credentials else None))
         console = Console(stderr=True)
         try:
             broker.start()
@@ -192,14 +212,15 @@ class LocalRun:
                 f.close()
             broker.stop()
             key_file.unlink(missing_ok=True)
+            shutil.rmtree(creds_dir, ignore_errors=True)  # useless once the broker is gone
 
     async def _main(self, url: str, key: bytes, key_file: Path, console: Console) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._request_stop)
-        nc = await bus.connect(url, name=f"ddpbus-run-{self.job}")
+        # the coordinator makes the job's stream, bucket and consumers; workers wait for them
+        nc = await self._access(url).connect(self.job, name=f"ddpbus-run-{self.job}")
         try:
-            await ensure_job(nc.jetstream(), self.job, self.workers)
             monitor = RunMonitor(self.job, key, self.workers)
             # the monitor decodes every message: only pay for it when someone watches
             sub = await monitor.attach(nc) if self.progress else None
@@ -220,7 +241,8 @@ class LocalRun:
 
         try:
             with console.status("writing the run report"):
-                index = await report.build(url, self.job, key, self.out_dir / "report")
+                index = await report.build(self._access(url), self.job, key,
+                                           self.out_dir / "report")
         except (DdpbusError, OSError, ValueError) as exc:
             console.print(f"[yellow]no run report[/yellow]: {exc}")
             return

@@ -1,7 +1,8 @@
 """Create a job's JetStream resources per subjects.md: one function, idempotent.
 
 The stream captures every ``stream`` subject of the job; the KV bucket holds membership,
-coordinator snapshots, the leader lease and the torch.distributed rendezvous; the durable
+coordinator snapshots, the leader lease and the torch.distributed rendezvous; the Object
+Stores hold the broker backend's rounds and the resume bundles; the durable
 consumers are ``coordinator`` (timing, metrics, join) and ``rank-<N>`` (its control and admit
 subjects plus control.all, delivered together in stream order).
 """
@@ -28,6 +29,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import ConfigError
+from ddpbus.orchestrator import bundles, reducer
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +119,13 @@ async def ensure_job(js: JetStreamContext, job: str, world_size: int,
     except BucketNotFoundError:
         log.info("creating KV bucket %s", bucket)
         await js.create_key_value(KeyValueConfig(
-            bucket=bucket, history=5, storage=StorageType.FILE, replicas=storage.replicas))
+            bucket=bucket, history=5, storage=StorageType.FILE, replicas=storage.replicas,
+            # reads by direct get name the key in the API subject, so permissions can
+            # scope them (a plain stream-message get cannot be scoped)
+            direct=True))
+    # the Object Stores too: a rank's credentials may use them but not create them
+    await reducer.rounds_store(js, job)
+    await bundles.object_store(js, job, create=True)
     names = []
     for consumer in consumer_configs(job, world_size, storage):
         await js.add_consumer(config.name or "", consumer)  # creates, or updates in place

@@ -26,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ddpbus.codecs import DecodeError, Decoder, Envelope
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator import bus
+from ddpbus.orchestrator.auth import Access, access
 
 
 @dataclass
@@ -150,11 +150,11 @@ async def stored(nc: Any, job: str, decoder: Decoder,
         await sub.unsubscribe()
 
 
-async def replay(nats_url: str, job: str, key: bytes, *, speed: float | None,
+async def replay(nats: str | Access, job: str, key: bytes, *, speed: float | None,
                  out: IO[str] = sys.stdout) -> int:
     decoder = Decoder(job=job, key=key)
     narrator = Narrator()
-    nc = await bus.connect(nats_url, name=f"ddpbus-replay-{job}")
+    nc = await access(nats).connect(job, name=f"ddpbus-replay-{job}")
     shown_at: dt.datetime | None = None
     bar, advance = progress_bar("replaying")
     if bar is not None:

@@ -24,7 +24,7 @@ from matplotlib.figure import Figure  # no pyplot: no global state, no display
 
 from ddpbus.codecs import Decoder, Envelope
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator import bus
+from ddpbus.orchestrator.auth import Access, access
 from ddpbus.orchestrator.replay import progress_bar, stored
 
 
@@ -240,10 +240,10 @@ for (const img of document.querySelectorAll("img.plot")) {{
 """
 
 
-async def gather(nats_url: str, job: str, key: bytes) -> Series:
+async def gather(nats: str | Access, job: str, key: bytes) -> Series:
     s = Series()
     decoder = Decoder(job=job, key=key)
-    nc = await bus.connect(nats_url, name=f"ddpbus-report-{job}")
+    nc = await access(nats).connect(job, name=f"ddpbus-report-{job}")
     bar, advance = progress_bar("reading the stream")
     if bar is not None:
         bar.start()
@@ -258,9 +258,9 @@ async def gather(nats_url: str, job: str, key: bytes) -> Series:
     return s
 
 
-async def build(nats_url: str, job: str, key: bytes, out: Path) -> Path:
+async def build(nats: str | Access, job: str, key: bytes, out: Path) -> Path:
     """Write ``out/index.html`` and its plots; returns the page's path."""
-    s = await gather(nats_url, job, key)
+    s = await gather(nats, job, key)
     files = plot(s, out)
     index = out / "index.html"
     index.write_text(page(job, s, files))

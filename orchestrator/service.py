@@ -44,6 +44,7 @@ from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
 from ddpbus.orchestrator import bundles, bus, reducer, rounds, snapshot
 from ddpbus.orchestrator import resume as bundle_resume
+from ddpbus.orchestrator.auth import Access
 from ddpbus.orchestrator.config import describe
 from ddpbus.orchestrator.core import initial_state, resume, transition
 from ddpbus.orchestrator.lease import Lease, LeaseLost
@@ -83,7 +84,7 @@ class JobInUse(DdpbusError, RuntimeError):
 @dataclass(frozen=True, kw_only=True)
 class CoordinatorSettings:
     job: str
-    nats_url: str
+    nats: Access  # the URL, the coordinator identity's credentials
     key: bytes
     summary_path: Path | None = None
     events_path: Path | None = None
@@ -122,7 +123,7 @@ class Coordinator:
 
     async def run(self) -> int:
         s = self.settings
-        nc = await bus.connect(s.nats_url, name=f"ddpbus-{s.job}-coordinator",
+        nc = await s.nats.connect(s.job, name=f"ddpbus-{s.job}-coordinator",
                                deadline=s.connect_deadline, on_disconnect=self._bus_lost,
                                on_reconnect=self._bus_back)
         try:
@@ -189,7 +190,7 @@ class Coordinator:
 
         s = self.settings
         try:
-            index = await report.build(s.nats_url, s.job, s.key, out)
+            index = await report.build(s.nats, s.job, s.key, out)
         except (DdpbusError, OSError, ValueError) as exc:
             log.error("no run report: %s", exc)  # noqa: TRY400 - the reason, said once
             return

@@ -18,7 +18,8 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
-from ddpbus.orchestrator import bundles, bus, snapshot
+from ddpbus.orchestrator import bundles, snapshot
+from ddpbus.orchestrator.auth import Access, access
 from ddpbus.orchestrator.lease import LEASE_KEY
 from ddpbus.orchestrator.service import SUMMARY_KEY
 from ddpbus.orchestrator.state import State
@@ -159,8 +160,8 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-async def show(nats_url: str, job: str, key: bytes, *, as_json: bool) -> int:
-    nc = await bus.connect(nats_url, name=f"ddpbus-status-{job}")
+async def show(nats: str | Access, job: str, key: bytes, *, as_json: bool) -> int:
+    nc = await access(nats).connect(job, name=f"ddpbus-status-{job}")
     try:
         doc = await gather(nc.jetstream(), job, key)
     finally:

@@ -27,7 +27,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from ddpbus.codecs import DecodeError, Decoder, convert, tensor
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import ConfigError
-from ddpbus.orchestrator import bus
+from ddpbus.orchestrator.auth import Access
 
 MAX_LIST = 8  # longer sequences are shown by their length only
 KNOWN_TYPES = sorted({*convert.BY_TYPE, tensor.TYPE_NAME,
@@ -197,7 +197,7 @@ def _rank_of(subject: str) -> int | None:
 
 @dataclass(kw_only=True)
 class Sub:
-    nats_url: str
+    nats: Access
     job: str
     key: bytes
     subject: str | None = None
@@ -219,7 +219,7 @@ class Sub:
     async def run(self) -> int:
         decoder = Decoder(job=self.job, key=self.key)
         subject = self.subject or f"{sj.PREFIX}.{self.job}.>"
-        nc = await bus.connect(self.nats_url, name=f"ddpbus-sub-{self.job}")
+        nc = await self.nats.connect(self.job, name=f"ddpbus-sub-{self.job}")
         try:
             if self.since is None:
                 await self._live(nc, subject, decoder)
@@ -270,7 +270,7 @@ class Sub:
             await sub.unsubscribe()
 
 
-def from_args(args: Any, key: bytes) -> Sub:
+def from_args(args: Any, key: bytes, nats: Access) -> Sub:
     since = parse_since(args.since) if args.since is not None else None
     if args.follow and since is None:
         raise ConfigError("--follow goes with --since (live is always followed)")
@@ -281,7 +281,7 @@ def from_args(args: Any, key: bytes) -> Sub:
     if args.subject is not None and not args.subject.startswith(f"{sj.PREFIX}.{args.job}."):
         raise ConfigError(f"SUBJECT {args.subject!r} is not in job {args.job!r} "
                           f"(ddpbus.{args.job}.…)")
-    return Sub(nats_url=args.nats, job=args.job, key=key, subject=args.subject,
+    return Sub(nats=nats, job=args.job, key=key, subject=args.subject,
                keep=Filter(rank=args.rank, msg_type=args.type), as_json=args.json,
                since=since, follow=args.follow, count=args.count)
 

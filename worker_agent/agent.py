@@ -39,7 +39,7 @@ from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import ConfigError, DdpbusError
 from ddpbus.orchestrator import bundles, bus, reducer
-from ddpbus.orchestrator.provision import JobStorage, consumer_configs
+from ddpbus.orchestrator.auth import Access
 from ddpbus.worker_agent import checkpoint
 from ddpbus.worker_agent.rendezvous import NatsKVStore
 from ddpbus.worker_agent.spec import TrainSpec
@@ -55,7 +55,7 @@ class WorkerSettings:
     job: str
     rank: int
     world_size: int
-    nats_url: str
+    nats: Access  # the URL, this rank identity's credentials
     key: bytes
     out_dir: Path | None = None
     final_state: Path | None = None
@@ -134,7 +134,7 @@ class WorkerAgent:
             self._outbox_threadsafe)
         self.trainer = trainer
         self.loop = asyncio.get_running_loop()
-        nc = await bus.connect(s.nats_url, name=f"ddpbus-{s.job}-rank-{s.rank}",
+        nc = await s.nats.connect(s.job, name=f"ddpbus-{s.job}-rank-{s.rank}",
                                deadline=s.join_timeout, on_disconnect=self._bus_lost,
                                on_reconnect=self._bus_back)
         try:
@@ -148,7 +148,7 @@ class WorkerAgent:
     def _store(self) -> NatsKVStore:
         """The rendezvous store, opened on first use by the training thread."""
         if getattr(self, "_kv_store", None) is None:
-            self._kv_store = NatsKVStore(self.settings.nats_url, sj.kv_bucket(self.settings.job),
+            self._kv_store = NatsKVStore(self.settings.nats, self.settings.job,
                                          timeout=timedelta(seconds=300),
                                          name=f"ddpbus-store-rank-{self.rank}")
         return self._kv_store
@@ -158,7 +158,6 @@ class WorkerAgent:
         js = nc.jetstream()
         kv = await self._wait_for_job(js)
         self.generation = await bus.next_generation(kv, sj.rank_consumer(s.rank))
-        await self._ensure_consumer(js)
         self.encoder = Encoder(job=s.job, key=s.key, sender=sj.rank_consumer(s.rank),
                                generation=self.generation, wire_json=s.wire_json)
         self.decoder = Decoder(job=s.job, key=s.key,
@@ -378,24 +377,27 @@ class WorkerAgent:
     # -------------------------------------------------------------- messaging
 
     async def _wait_for_job(self, js: JetStreamContext) -> KeyValue:
-        """The job's stream and bucket are made by the coordinator (or init-job)."""
+        """The job's stream, bucket and this rank's durable consumer are made by the
+        coordinator (or ``ddpbus init-job``): a rank may read its consumer, never create or
+        change one (its NATS permissions say the same). Where the consumer's acks stand
+        is where a restarted incarnation resumes."""
         deadline = time.monotonic() + self.settings.join_timeout.total_seconds()
-        stream = sj.stream_name(self.settings.job)
+        stream, consumer = sj.stream_name(self.settings.job), sj.rank_consumer(self.rank)
         while True:
             try:
-                await js.stream_info(stream)
-                return await js.key_value(sj.kv_bucket(self.settings.job))
+                info = await js.consumer_info(stream, consumer)
+                kv = await js.key_value(sj.kv_bucket(self.settings.job))
             except (NotFoundError, BucketNotFoundError):
                 if time.monotonic() > deadline:
-                    raise DdpbusError(f"job {self.settings.job!r} has no stream {stream}; "
-                                      "start its coordinator or `ddpbus init-job`") from None
-                await asyncio.sleep(0.2)
-
-    async def _ensure_consumer(self, js: JetStreamContext) -> None:
-        config = consumer_configs(self.settings.job, self.rank + 1, JobStorage())[-1]
-        info = await js.add_consumer(sj.stream_name(self.settings.job), config)
-        floor = info.ack_floor.stream_seq if info.ack_floor is not None else 0
-        self.resume_seq = floor or 0
+                    raise DdpbusError(f"job {self.settings.job!r} has no consumer {consumer} "
+                                      f"on stream {stream}; start its coordinator (with a "
+                                      "world size above this rank) or `ddpbus init-job`"
+                                      ) from None
+                await asyncio.sleep(0.2)  # poll until the coordinator made them (deadline)
+                continue
+            floor = info.ack_floor.stream_seq if info.ack_floor is not None else 0
+            self.resume_seq = floor or 0
+            return kv
 
     def _send(self, msg: m.Message, durable: bool = True) -> None:
         s = self.settings

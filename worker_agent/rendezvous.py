@@ -30,8 +30,10 @@ from nats.js.kv import KeyValue
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 from torch._C._distributed_c10d import Store  # = torch.distributed.Store, typed
 
+from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
-from ddpbus.orchestrator.bus import TRANSIENT_ERRORS, connect
+from ddpbus.orchestrator.auth import Access, access
+from ddpbus.orchestrator.bus import TRANSIENT_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ def kv_key(key: str) -> str:
 class NatsKVStore(Store):
     """A ``torch.distributed.Store`` backed by a NATS JetStream KV bucket."""
 
-    def __init__(self, url: str, bucket: str, *,
+    def __init__(self, nats: str | Access, job: str, *,
                  timeout: timedelta = timedelta(seconds=300), name: str = "ddpbus-store"
                  ) -> None:
         super().__init__()
@@ -67,11 +69,11 @@ class NatsKVStore(Store):
         self._thread.start()
         self._kv: KeyValue | None = None
         self._nc: Any = None
-        self._call(self._open(url, bucket, name))
+        self._call(self._open(access(nats), job, name))
 
-    async def _open(self, url: str, bucket: str, name: str) -> None:
-        self._nc = await connect(url, name=name)
-        self._kv = await self._nc.jetstream().key_value(bucket)
+    async def _open(self, nats: Access, job: str, name: str) -> None:
+        self._nc = await nats.connect(job, name=name)
+        self._kv = await self._nc.jetstream().key_value(sj.kv_bucket(job))
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         wait = (timeout if timeout is not None else self._op_timeout.total_seconds()) + 5.0

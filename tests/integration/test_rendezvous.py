@@ -18,13 +18,12 @@ from ddpbus.orchestrator.provision import ensure_job
 from ddpbus.worker_agent.rendezvous import NatsKVStore, StoreTimeout
 
 JOB = "rdv"
-BUCKET = f"ddpbus_{JOB}"
 
 WORKER = """
 import sys, datetime, torch, torch.distributed as dist
 from ddpbus.worker_agent.rendezvous import NatsKVStore
 url, rank, world, session = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-store = NatsKVStore(url, "ddpbus_rdv", timeout=datetime.timedelta(seconds=60))
+store = NatsKVStore(url, "rdv", timeout=datetime.timedelta(seconds=60))
 dist.init_process_group("gloo", store=dist.PrefixStore(session, store), rank=rank,
                         world_size=world, timeout=datetime.timedelta(seconds=60))
 t = torch.full((4,), float(rank + 1))
@@ -42,7 +41,7 @@ def store(broker: EmbeddedBroker) -> Iterator[NatsKVStore]:
         await ensure_job(nc.jetstream(), JOB, 1)
         await nc.close()
     asyncio.run(provision())
-    s = NatsKVStore(broker.url, BUCKET, timeout=timedelta(seconds=5))
+    s = NatsKVStore(broker.url, JOB, timeout=timedelta(seconds=5))
     yield s
     s.close()
 
