@@ -11,7 +11,7 @@ and yields a :class:`~ddpbus.orchestrator.state.Refuse` with the reason.
 from __future__ import annotations
 
 import dataclasses
-from typing import Final
+from typing import Any, Final
 
 from ddpbus.codecs import messages as m
 from ddpbus.orchestrator import callbacks, membership, rounds, window
@@ -76,7 +76,10 @@ def _forgive_silence(state: State, now: float) -> None:
 def transition(state: State, event: Event, now: float) -> tuple[State, list[Command]]:
     out: list[Command] = []
     msg_id = getattr(event, "msg_id", "")
-    if msg_id and not first_delivery(state, msg_id):
+    misfiled = _misfiled(event)
+    if misfiled is not None:
+        out.append(Refuse("wrong-event", misfiled))
+    elif msg_id and not first_delivery(state, msg_id):
         out.append(Refuse("duplicate-id", f"{type(event).__name__} {msg_id} was handled "
                           "before (a re-published copy)"))
     elif state.phase is Phase.DONE:
@@ -87,6 +90,22 @@ def transition(state: State, event: Event, now: float) -> tuple[State, list[Comm
         if isinstance(c, Refuse):
             state.refusals[c.reason] += 1
     return state, out
+
+
+#: The messages each message event may carry. The shell builds events from the subjects
+#: the coordinator reads; a message of another family (a ControlMsg that reached the
+#: timing intake) is refused here, before anything reads its fields.
+_CARRIES: Final[dict[type[Event], tuple[Any, str]]] = {
+    Timing: (m.TimingMsg, "TimingMsg"), Metrics: (m.MetricsMsg, "MetricsMsg"),
+    Joined: (m.JoinMsg, "JoinMsg")}
+
+
+def _misfiled(event: Event) -> str | None:
+    allowed, family = _CARRIES.get(type(event), (object, ""))
+    msg = getattr(event, "msg", None)
+    if isinstance(msg, allowed):
+        return None
+    return f"a {type(event).__name__} event carrying a {type(msg).__name__}, not a {family}"
 
 
 def _dispatch(state: State, event: Event, now: float, out: list[Command]) -> None:

@@ -6,7 +6,8 @@ count), a contribution blob that does not unpack (the reducer's task died and it
 stayed "reducing" for good), lease values and bundle manifests with numbers no int or
 float holds, nesting deeper than the JSON parser recurses, and bundle meta records whose
 bad values only failed later: seeding the core, publishing SetGlobalStep, writing the next
-bundle's meta or the run summary.
+bundle's meta or the run summary; and the coordinator core reading a rank from a control
+message that reached its timing intake.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ import fuzz_states
 import pytest
 from fuzz_mutate import delimited, key, resigned, varint
 
+from ddpbus.codecs import messages as m
 from ddpbus.codecs import tensor
 from ddpbus.codecs._pb import ddpbus_pb2 as pb
 from ddpbus.codecs.envelope import Envelope
 from ddpbus.codecs.errors import InvalidField
-from ddpbus.orchestrator import bundles, lease, resume
+from ddpbus.orchestrator import bundles, lease, resume, snapshot
+from ddpbus.orchestrator.core import transition
 from ddpbus.orchestrator.reducer import Accumulator, ReduceError
-from ddpbus.orchestrator.state import Contribution
+from ddpbus.orchestrator.state import Contribution, Joined, Metrics, Refuse, Timing
 
 # ------------------------------------------------------------------- tensor frames
 
@@ -82,6 +85,33 @@ def test_a_lease_value_that_does_not_read_counts_as_expired(value: bytes) -> Non
 
 def test_a_readable_lease_still_reads() -> None:
     assert lease.parse(b'{"holder": "h:1", "expires": 12}', 3) == lease.Holder("h:1", 12.0, 3)
+
+
+# ------------------------------------------------------------------ coordinator core
+
+
+@pytest.mark.parametrize("event", [
+    Timing(m.Throttle(), "rank-3.g1.2"),  # the campaign's: a signed Throttle on control.rank.3
+    Timing(m.Hello(rank=1, generation=1, host="h", device="cpu", model_signature=bytes(32),
+                   world_size=4)),
+    Metrics(m.Batch(rank=0, batch_ms=1.0, data_ms=0.0, step_count=1)),  # type: ignore[arg-type]
+    Joined(m.Reject(rank=0, generation=1, reason="full")),  # type: ignore[arg-type]
+])
+@pytest.mark.parametrize("phase", ["admitting", "training-sync-in-flight"])
+def test_an_event_carrying_another_family_is_refused_and_changes_nothing(
+        event: Any, phase: str) -> None:
+    state = fuzz_states.fresh(phase)
+    before = _frozen(state)
+    _, out = transition(state, event, 1000.0)
+    assert [c.reason for c in out if isinstance(c, Refuse)] == ["wrong-event"]
+    assert len(out) == 1
+    assert state.refusals.pop("wrong-event") == 1
+    assert _frozen(state) == before  # not even its message id was recorded
+
+
+def _frozen(state: Any) -> bytes:
+    return snapshot.encode(snapshot.Snapshot(state=state, stream_seq=0, outbox=[],
+                                             coordinator_generation=0, saved_at=0.0), fc.KEY)
 
 
 # ----------------------------------------------------------------- bundle manifests
