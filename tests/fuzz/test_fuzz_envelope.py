@@ -36,7 +36,8 @@ AFTER_SIGNATURE = fc.REASONS - fc.BEFORE_PAYLOAD
 
 
 def _donors(family: str) -> tuple[fc.Inbound, ...]:
-    return tuple(x for _, x in fc.every_seed() if _ != family) + fc.seeds(family)
+    """Payloads to splice in: every other family's seeds, then this family's."""
+    return tuple(x for other, x in fc.every_seed() if other != family) + fc.seeds(family)
 
 
 def _check_accepted(env: Envelope, x: fc.Inbound) -> None:

@@ -182,9 +182,9 @@ def test_tensor_frames_decoded_and_assembled() -> None:
                     continue
                 done = _probe(frame, lambda c=got, a=assembler: a.add(c), (DecodeError,))
                 seen[done.reason if isinstance(done, DecodeError) else "accepted"] += 1
-            if assembler is not None and assembler.complete:
-                assert len(assembler.buffer) == assembler.shape[0] * assembler.shape[1] * \
-                    tensor.DTYPE_SIZES[assembler.dtype]
+            if assembler is not None and assembler.complete:  # what it says it holds
+                assert len(assembler.buffer) == tensor.DTYPE_SIZES[assembler.dtype] * \
+                    math.prod(assembler.shape)
 
     run()
     fc.TALLY.add(tensor.TYPE_NAME, "decode+assemble", seen)
