@@ -6,9 +6,10 @@
 Targets: one per message family (``ControlMsg`` ... ``TensorFrame``: the input is a
 payload, sent under the headers of one of the family's valid seed messages and, by a flag
 byte, signed again with the job key so that it reaches the payload parser and the field
-rules), ``TensorBlob`` (unpack, then the reducer's sum), ``Snapshot`` (a signed snapshot
-body), ``BundleManifest`` (everything ``--resume`` does with a manifest), ``Lease``. With
-``-target`` one of them is fuzzed, else all of them, the input's first byte choosing which.
+rules), ``TensorBlob`` (unpack, then the reducer's sum), ``Snapshot`` (a snapshot's JSON,
+compressed and signed), ``BundleManifest`` (everything ``--resume`` does with a manifest),
+``Lease``. With ``-target`` one of them is fuzzed, else all of them, the input's first byte
+choosing which.
 Without corpus directories, a seed corpus of valid inputs is written to a temporary one
 (removed at exit).
 
@@ -37,14 +38,14 @@ import atheris
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "unit")]
 
-with atheris.instrument_imports(include=["ddpbus"]):  # every ddpbus module they load
+with atheris.instrument_imports(include=["ddpbus"]):  # every ddpbus module loaded here
     import fuzz_corpus as fc
     import fuzz_states
     from fuzz_mutate import resigned
 
-from ddpbus.codecs import tensor  # noqa: E402 - loaded (instrumented) above
-from ddpbus.codecs.errors import DecodeError  # noqa: E402
-from ddpbus.orchestrator import lease, reducer, snapshot  # noqa: E402
+    from ddpbus.codecs import tensor
+    from ddpbus.codecs.errors import DecodeError
+    from ddpbus.orchestrator import lease, reducer, snapshot
 
 Target = tuple[list[bytes], Callable[[bytes], str]]
 _DECODER = fc.decoder()
@@ -93,10 +94,12 @@ def _sealed(body: bytes) -> bytes:
 
 
 def _snapshot(data: bytes) -> str:
+    """``data`` is the snapshot's JSON: compressed and signed here, so that libFuzzer's
+    mutations reach the object rebuilding instead of failing zlib's checksum."""
     try:
-        snapshot.decode(_sealed(data), fc.KEY)
-    except snapshot.SnapshotError:
-        return "refused"
+        snapshot.decode(_sealed(zlib.compress(data, 1)), fc.KEY)
+    except snapshot.SnapshotError as exc:
+        return fuzz_states.snapshot_reason(exc)
     return "accepted"
 
 
@@ -105,8 +108,7 @@ def _snapshot_seeds() -> list[bytes]:
     for phase in ("admitting", "forming"):
         snap = snapshot.Snapshot(state=fuzz_states.fresh(phase), stream_seq=3, outbox=[],
                                  coordinator_generation=2, saved_at=1.0)
-        body = snapshot.encode(snap, fc.KEY)[len(snapshot.MAGIC) + 32:]
-        out += [body, zlib.decompress(body)[:200]]
+        out.append(zlib.decompress(snapshot.encode(snap, fc.KEY)[len(snapshot.MAGIC) + 32:]))
     return out
 
 
@@ -176,14 +178,17 @@ def main(argv: list[str]) -> None:
             return
         tally[name][table[name][1](body)] += 1
 
+    seeds = [seed if single else bytes([i]) + seed
+             for i, name in enumerate(names) for seed in table[name][0]]
     if not any(not a.startswith("-") for a in argv[1:]):
         scratch = tempfile.TemporaryDirectory(prefix="ddpbus-atheris-")
         atexit.register(scratch.cleanup)
         corpus = Path(scratch.name)
-        for i, name in enumerate(names):
-            for j, seed in enumerate(table[name][0]):
-                (corpus / f"{name}-{j}").write_bytes(seed if single else bytes([i]) + seed)
+        for j, seed in enumerate(seeds):
+            (corpus / f"seed-{j}").write_bytes(seed)
         argv = [*argv, str(corpus)]
+    if not any(a.startswith("-max_len=") for a in argv):  # room for the snapshot seeds
+        argv = [*argv, f"-max_len={max(4096, *map(len, seeds))}"]
     atheris.Setup(argv, one)
     atheris.Fuzz()
 

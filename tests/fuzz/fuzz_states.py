@@ -107,6 +107,22 @@ def fresh(name: str) -> State:
     return copy.deepcopy(_states()[name])
 
 
+# -------------------------------------------------------------------- snapshots
+
+_SNAPSHOT_REASONS: Final = (  # first match wins: "does not load" wraps any other text
+    ("does not load", "does-not-load"), ("signature does not match", "bad-signature"),
+    ("not a ddpbus coordinator", "magic"), ("unknown snapshot node", "node"),
+    ("which it may not", "foreign-class"), ("not a ddpbus class", "not-a-class"),
+    ("not an enum", "not-an-enum"), ("holds something else", "not-a-snapshot"))
+
+
+def snapshot_reason(exc: Exception) -> str:
+    """A short label for a SnapshotError (it has no ``reason`` of its own)."""
+    text = str(exc)
+    return next((label for needle, label in _SNAPSHOT_REASONS if needle in text),
+                f"other:{text[:40]}")
+
+
 # ---------------------------------------------------------- resuming from a bundle
 
 STAGES: Final = ("manifest", "fits", "meta")  # where a BundleError may come from

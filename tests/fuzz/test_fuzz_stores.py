@@ -54,11 +54,6 @@ def _probe(what: object, call: Any, refusals: tuple[type[Exception], ...]) -> An
         raise fc.Crash(f"{type(exc).__name__}: {exc} on {fc.shown(what)}") from exc
 
 
-def _reason(exc: Exception, table: tuple[tuple[str, str], ...]) -> str:
-    text = str(exc)
-    return next((label for needle, label in table if needle in text), f"other:{text[:40]}")
-
-
 # ------------------------------------------------------------------ tensor blobs
 
 
@@ -194,11 +189,6 @@ def test_tensor_frames_decoded_and_assembled() -> None:
 
 # -------------------------------------------------------------------- snapshots
 
-_SNAPSHOT_REASONS = (("signature", "bad-signature"), ("not a ddpbus coordinator", "magic"),
-                     ("does not load", "does-not-load"), ("unknown snapshot node", "node"),
-                     ("which it may not", "foreign-class"), ("not a ddpbus class",
-                                                             "not-a-class"),
-                     ("not an enum", "not-an-enum"), ("holds something else", "not-a-snapshot"))
 SNAPSHOT_PHASES = ("admitting", "forming", "broker-round")  # small states: fast to rebuild
 
 
@@ -232,7 +222,7 @@ def test_snapshots(kind: str) -> None:
             x = _mutate_snapshot(mutator, bases[phase], kind == "resigned")
             got = _probe(x, lambda x=x: snapshot.decode(x, fc.KEY), (snapshot.SnapshotError,))
             if isinstance(got, Exception):
-                seen[_reason(got, _SNAPSHOT_REASONS)] += 1
+                seen[fuzz_states.snapshot_reason(got)] += 1
             else:
                 assert kind == "resigned" or x == bases[phase]
                 seen["accepted"] += 1
