@@ -292,3 +292,32 @@ class Access:
 def access(nats: str | Access, identity: str = OBSERVER) -> Access:
     """``nats`` as an :class:`Access` (a bare URL: no credentials, as ``identity``)."""
     return nats if isinstance(nats, Access) else Access(url=nats, identity=identity)
+
+
+def chart_permissions() -> dict[str, Any]:
+    """The permissions of each role with placeholders, for the Helm chart: ``@JOB@`` the job,
+    ``@RANK@`` the rank (role ``rank``), and under ``resume`` what ``resume_from=[@RESUME@]``
+    adds (the chart appends it, dropping repeats, when ``training.resume`` names a job).
+    ``helm/ddpbus/files/permissions.json`` holds this; a chart test keeps them equal."""
+    job, rank, earlier = "JOBSENTINEL", 999999, "RESUMESENTINEL"
+    marks = {job: "@JOB@", earlier: "@RESUME@", str(rank): "@RANK@"}
+
+    def mark(items: Iterable[str]) -> list[str]:
+        out = []
+        for item in items:
+            text = item
+            for value, placeholder in marks.items():
+                text = text.replace(value, placeholder)
+            out.append(text)
+        return out
+
+    roles = {"coordinator": COORDINATOR, "observer": OBSERVER, "rank": sj.rank_consumer(rank)}
+    result: dict[str, Any] = {}
+    for role, identity in roles.items():
+        base = permissions(job, identity)
+        more = permissions(job, identity, resume_from=[earlier])
+        result[role] = {
+            "publish": mark(base.publish), "subscribe": mark(base.subscribe),
+            "resume": {"publish": mark(x for x in more.publish if x not in base.publish),
+                       "subscribe": mark(x for x in more.subscribe if x not in base.subscribe)}}
+    return result

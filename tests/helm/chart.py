@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -33,3 +34,25 @@ def container(doc: dict[str, Any]) -> dict[str, Any]:
 
 def env(c: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
+
+
+def worker_sets(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ranks' StatefulSets (one each), in rank order."""
+    found = [d for d in by_kind(docs, "StatefulSet")
+             if d["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"]
+    return sorted(found, key=lambda d: int(d["metadata"]["labels"]["ddpbus.io/rank"]))
+
+
+PERMISSIONS = CHART / "files" / "permissions.json"
+
+
+def permissions_json() -> str:
+    """What ``files/permissions.json`` must hold: :func:`auth.chart_permissions` as JSON."""
+    from ddpbus.orchestrator.auth import chart_permissions
+
+    return json.dumps(chart_permissions(), indent=1) + "\n"
+
+
+if __name__ == "__main__":  # regenerate: .venv/bin/python tests/helm/chart.py
+    PERMISSIONS.parent.mkdir(exist_ok=True)
+    PERMISSIONS.write_text(permissions_json())
