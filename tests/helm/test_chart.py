@@ -10,15 +10,33 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from chart import CHART, by_kind, container, env, render, run
+from chart import CHART, by_kind, container, env, render, run, worker_sets
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S_VERSIONS = ("1.30", "1.35")
 
 VALUE_SETS: dict[str, list[str]] = {
     "default": [],
-    "existing-nats": ["nats.bundled=false", "nats.url=nats://nats.infra:4222"],
-    "existing-nats-secret": ["nats.bundled=false", "nats.urlSecret.name=nats-url"],
+    "existing-nats": ["nats.bundled=false", "nats.url=nats://nats.infra:4222",
+                      "auth.existing.secretPrefix=train-login"],
+    "existing-nats-secret": ["nats.bundled=false", "nats.urlSecret.name=nats-url",
+                             "auth.enabled=false"],
+    "existing-nats-creds": ["nats.bundled=false", "nats.url=tls://nats.infra:4222",
+                            "auth.existing.secretPrefix=train-login", "auth.existing.kind=creds",
+                            "nats.tls.enabled=true", "nats.tls.secretName=nats-ca"],
+    "existing-nats-nkey": ["nats.bundled=false", "nats.url=nats://nats.infra:4222",
+                           "auth.existing.secretPrefix=train-login", "auth.existing.kind=nkey",
+                           "nats.tls.enabled=true", "nats.tls.secretName=nats-ca",
+                           "nats.tls.verifyClients=true",
+                           "nats.tls.clientSecretName=ddpbus-client-tls"],
+    "auth-off": ["auth.enabled=false"],
+    "tls": ["nats.tls.enabled=true", "nats.tls.secretName=nats-tls"],
+    "tls-verify-clients": ["nats.tls.enabled=true", "nats.tls.secretName=nats-tls",
+                           "nats.tls.verifyClients=true"],
+    "tls-client-cert": ["nats.tls.enabled=true", "nats.tls.secretName=nats-tls",
+                        "nats.tls.verifyClients=true", "nats.tls.clientSecretName=client-tls"],
+    "tls-auth-off": ["auth.enabled=false", "nats.tls.enabled=true",
+                     "nats.tls.secretName=nats-tls"],
     "bundled-nats": ["nats.bundled=true", "nats.storage.size=50Gi"],
     "standby": ["coordinator.replicas=2"],
     "one-worker": ["training.workers=1"],
@@ -48,18 +66,26 @@ def test_lint_render_and_validate(helm: Path, name: str) -> None:
             continue  # a CRD: no upstream schema to check it against
         for version in K8S_VERSIONS:
             kubernetes_validate.validate(doc, version, strict=True)
-    [workers] = by_kind(docs, "StatefulSet")[-1:]
-    assert workers["metadata"]["name"] == "train-ddpbus-worker"
-    w = container(workers)
     want = int(next((s.split("=")[1] for s in sets if s.startswith("training.workers=")),
                     "2"))
-    assert workers["spec"]["replicas"] == want
-    assert env(w)["DDPBUS_WORLD_SIZE"] == str(want)
-    assert env(w)["DDPBUS_RANK"] == {"fieldRef": {
-        "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+    workers = worker_sets(docs)
+    assert [d["metadata"]["name"] for d in workers] == [f"train-ddpbus-worker-{r}"
+                                                         for r in range(want)]
     gpu = "worker.gpu.enabled=false" not in sets
-    assert ("nvidia.com/gpu" in w["resources"]["limits"]) is gpu
-    assert env(w)["DDPBUS_DEVICE"] == ("cuda" if gpu else "cpu")
+    for rank, sts in enumerate(workers):  # one StatefulSet per rank (its own login)
+        assert sts["spec"]["replicas"] == 1
+        assert sts["spec"]["serviceName"] == "train-ddpbus-worker"
+        assert sts["spec"]["selector"]["matchLabels"]["ddpbus.io/rank"] == str(rank)
+        w = container(sts)
+        assert env(w)["DDPBUS_WORLD_SIZE"] == str(want)
+        assert env(w)["DDPBUS_RANK"] == str(rank)
+        assert ("nvidia.com/gpu" in w["resources"]["limits"]) is gpu
+        assert env(w)["DDPBUS_DEVICE"] == ("cuda" if gpu else "cpu")
+    [pdb] = by_kind(docs, "PodDisruptionBudget")
+    assert pdb["spec"] == {"maxUnavailable": 0, "selector": {"matchLabels": {
+        "app.kubernetes.io/name": "ddpbus", "app.kubernetes.io/instance": "train",
+        "app.kubernetes.io/component": "worker"}}}
+    w = container(workers[0])
     [coord] = [d for d in by_kind(docs, "Deployment") if "coordinator" in d["metadata"]["name"]]
     c = container(coord)
     assert c["command"] == ["ddpbus"]
@@ -72,16 +98,22 @@ def test_lint_render_and_validate(helm: Path, name: str) -> None:
     url = env(c)["DDPBUS_NATS_URL"]
     if "nats.urlSecret.name=nats-url" in sets:
         assert url == {"secretKeyRef": {"name": "nats-url", "key": "url"}}
+    elif bundled:
+        assert url == "nats://train-ddpbus-nats:4222"
     else:
-        assert url == ("nats://train-ddpbus-nats:4222" if bundled else "nats://nats.infra:4222")
+        assert url == next(s.split("=", 1)[1] for s in sets if s.startswith("nats.url="))
     assert bool([d for d in by_kind(docs, "StatefulSet") if "nats" in d["metadata"]["name"]]) \
         is bundled
     for d in docs:  # resources everywhere, never a secret in clear
         for pod in _pods(d):
             for k in pod["containers"]:
                 assert k["resources"]["requests"], f"{d['kind']} {k['name']} has no requests"
-                assert "value" not in str([e for e in k.get("env", [])
-                                           if "KEY" in e["name"] and "FILE" not in e["name"]])
+                for e in k.get("env", []):
+                    if any(w in e["name"] for w in SECRET_WORDS) and "value" in e:
+                        assert e["value"].startswith("/etc/ddpbus/"), e  # a mounted file
+
+
+SECRET_WORDS = ("KEY", "PASSWORD", "CREDS", "NKEY", "TOKEN", "SEED")
 
 
 def _pods(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -103,6 +135,17 @@ def _pods(doc: dict[str, Any]) -> list[dict[str, Any]]:
     (["worker.gpu.enabled=maybe"], "at '/worker/gpu/enabled'"),
     (["worker.resources.requests.cpu=4", "worker.extra=1"], "'extra' not allowed"),
     (["nats.bundled=false"], "nats.url or nats.urlSecret.name is required"),
+    (["nats.bundled=false", "nats.url=nats://n:4222"], "auth.existing.secretPrefix is required"),
+    (["auth.existing.secretPrefix=x"], "auth.existing.secretPrefix is for an existing server"),
+    (["nats.bundled=false", "nats.url=nats://n:4222", "auth.existing.secretPrefix=x",
+      "auth.existing.kind=token"], "at '/auth/existing/kind'"),
+    (["auth.enabled=yes"], "at '/auth/enabled'"),
+    (["auth.users=1"], "'users' not allowed"),
+    (["nats.tls.enabled=true"], "nats.tls.secretName is required"),
+    (["nats.tls.verifyClients=true"], "nats.tls.verifyClients needs nats.tls.enabled"),
+    (["nats.tls.enabled=true", "nats.tls.secretName=t", "nats.tls.clientSecretName=c"],
+     "nats.tls.clientSecretName is for mutual TLS"),
+    (["nats.tls.ca=x"], "'ca' not allowed"),
 ])
 def test_bad_values_are_refused(helm: Path, sets: list[str], message: str) -> None:
     out = run(helm, "template", "train", str(CHART), *[x for s in sets for x in ("--set", s)])

@@ -1,12 +1,19 @@
 """Rendered-manifest smoke run: the chart's coordinator and worker containers, started as
 local processes with exactly their rendered command, args and env against a local
-nats-server (the Service name mapped to it, the mounted paths to local ones). The job
-trains to completion: the chart's wiring matches the CLI."""
+nats-server (the Service name mapped to it, each pod's Secret volumes written out where its
+mounts point). The job trains to completion: the chart's wiring matches the CLI.
+
+Two servers: the bundled one, run from the chart's own rendered config (its logins and
+permissions, mutual TLS with certificates made here), and an existing one that
+`ddpbus broker --auth` would run, its nkey seeds in the per-identity Secrets the chart names.
+"""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,13 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chart import by_kind, container, render
+from chart import by_kind, render, worker_sets
 
+from ddpbus.orchestrator import auth
 from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+Secrets = dict[str, dict[str, bytes]]  # name -> key -> content, as the cluster holds them
 
 
 def free_port() -> int:
@@ -35,66 +44,156 @@ def local(value: str, mapping: dict[str, str]) -> str:
     return value
 
 
-def process(c: dict[str, Any], ordinal: int, mapping: dict[str, str],
-            secrets: dict[tuple[str, str], str]) -> tuple[list[str], dict[str, str]]:
+def process(c: dict[str, Any], mapping: dict[str, str],
+            secrets: Secrets) -> tuple[list[str], dict[str, str]]:
     """The container as a local command line and environment."""
     env: dict[str, str] = {}
     for e in c.get("env", []):
         source = e.get("valueFrom", {})
         if "value" in e:
             env[e["name"]] = local(str(e["value"]), mapping)
-        elif source == {"fieldRef": {
-                "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}:
-            env[e["name"]] = str(ordinal)  # what Kubernetes puts there
         elif "secretKeyRef" in source:
             ref = source["secretKeyRef"]
-            env[e["name"]] = secrets[(ref["name"], ref["key"])]
+            env[e["name"]] = secrets[ref["name"]][ref["key"]].decode()
         else:
             raise AssertionError(f"unmapped env source {e}")
     command = [str(BIN / c["command"][0]), *c["command"][1:]]
     return [*command, *(local(a, mapping) for a in c["args"])], env
 
 
-AUTH = "authorization {\n  user: trainer\n  password: pa55-word\n}\n"
+def mounts(pod: dict[str, Any], secrets: Secrets, where: Path) -> dict[str, str]:
+    """Write the pod's Secret volumes (plain and projected) under ``where`` as the kubelet
+    would; the container's mount paths mapped to those folders, and its out dir."""
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mapping: dict[str, str] = {}
+    for m in pod["containers"][0]["volumeMounts"]:
+        v = volumes[m["name"]]
+        sources = ([{"name": v["secret"]["secretName"], **v["secret"]}] if "secret" in v
+                   else [s["secret"] for s in v.get("projected", {}).get("sources", [])])
+        if not sources and m["mountPath"] != "/var/lib/ddpbus":
+            continue  # /tmp, /dev/shm: the local ones do
+        folder = where / m["name"]
+        folder.mkdir(parents=True)
+        for s in sources:
+            data = secrets[s["name"]]
+            for item in s.get("items") or [{"key": k, "path": k} for k in data]:
+                (folder / item["path"]).write_bytes(data[item["key"]])
+        mapping[m["mountPath"]] = str(folder)
+    return mapping
 
 
-@pytest.mark.parametrize("nats", ["bundled", "existing-with-url-secret"])
-def test_the_rendered_containers_train_a_job(helm: Path, tmp_path: Path, nats: str) -> None:
-    sets = ["worker.gpu.enabled=false", "training.backend=gloo", "training.workers=2",
-            "training.epochs=3", f"coordinator.metrics.port={free_port()}", "job=smoke"]
-    config = None
-    if nats != "bundled":  # a server that wants a password, the URL from a Secret
-        sets += ["nats.bundled=false", "nats.urlSecret.name=nats-url",
-                 "training.wireJson=true"]  # and proto3 JSON on the wire
-        config = tmp_path / "auth.conf"
-        config.write_text(AUTH)
-    with EmbeddedBroker(BrokerConfig(store_dir=tmp_path / "store", config_file=config)) as b:
-        url = b.url if config is None else b.url.replace("nats://", "nats://trainer:pa55-word@")
-        run_rendered(render(helm, sets), url, tmp_path)
+def rendered_secrets(docs: list[dict[str, Any]]) -> Secrets:
+    return {d["metadata"]["name"]: {k: base64.b64decode(v) for k, v in d["data"].items()}
+            for d in by_kind(docs, "Secret")}
 
 
-def run_rendered(docs: list[dict[str, Any]], url: str, tmp_path: Path) -> None:
+def openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+
+def certificates(pki: Path) -> Secrets:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, as the two
+    kubernetes.io/tls Secrets cert-manager would make."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl makes the test certificates")
+    pki.mkdir()
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    openssl("req", "-x509", *key, "-keyout", str(pki / "ca.key"), "-out", str(pki / "ca.crt"),
+            "-days", "1", "-subj", "/CN=ddpbus test CA",
+            "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    out: Secrets = {}
+    for name, usage in (("server", "serverAuth"), ("client", "clientAuth")):
+        ext = pki / f"{name}.ext"
+        ext.write_text("basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n"
+                       f"extendedKeyUsage={usage}\nsubjectAltName=IP:127.0.0.1,DNS:localhost\n"
+                       "authorityKeyIdentifier=keyid\nsubjectKeyIdentifier=hash\n")
+        openssl("req", *key, "-keyout", str(pki / f"{name}.key"), "-out",
+                str(pki / f"{name}.csr"), "-subj", f"/CN={name}")
+        openssl("x509", "-req", "-in", str(pki / f"{name}.csr"), "-CA", str(pki / "ca.crt"),
+                "-CAkey", str(pki / "ca.key"), "-CAcreateserial", "-days", "1",
+                "-extfile", str(ext), "-out", str(pki / f"{name}.crt"))
+        out[f"{name}-tls"] = {"tls.crt": (pki / f"{name}.crt").read_bytes(),
+                              "tls.key": (pki / f"{name}.key").read_bytes(),
+                              "ca.crt": (pki / "ca.crt").read_bytes()}
+    return out
+
+
+def server_config(secrets: Secrets, folder: Path) -> Path:
+    """The bundled server's rendered config (nats.conf with its auth.conf and TLS files),
+    less the fixed ports and store dir (the embedded broker picks free ones)."""
+    folder.mkdir()
+    conf = secrets["train-ddpbus-nats-config"]
+    text = conf["nats.conf"].decode()
+    for fixed in ("port: 4222\n", "http_port: 8222\n",
+                  "jetstream {\n  store_dir: /data/jetstream\n}\n"):
+        assert fixed in text, f"the rendered nats.conf changed: {text}"
+        text = text.replace(fixed, "")
+    for key, data in secrets["server-tls"].items():
+        (folder / key).write_bytes(data)
+    (folder / "nats.conf").write_text(text.replace("/etc/nats-tls", str(folder)))
+    (folder / "auth.conf").write_bytes(conf["auth.conf"])
+    return folder / "nats.conf"
+
+
+class TlsBroker(EmbeddedBroker):
+    """EmbeddedBroker whose readiness probe also parses the ``tls://`` URL a TLS server
+    lists in its ports file (broker.py strips only ``nats://`` and never sees it ready)."""
+
+    @staticmethod
+    def _accepts(url: str) -> bool:
+        return EmbeddedBroker._accepts("nats://" + url.split("://", 1)[1])
+
+
+BASE = ["worker.gpu.enabled=false", "training.backend=gloo", "training.workers=2",
+        "training.epochs=3", "job=smoke"]
+
+
+def test_the_bundled_server_config_logins_and_mutual_tls(helm: Path, tmp_path: Path) -> None:
+    provided = certificates(tmp_path / "pki")
+    sets = [*BASE, f"coordinator.metrics.port={free_port()}", "nats.tls.enabled=true",
+            "nats.tls.secretName=server-tls", "nats.tls.verifyClients=true",
+            "nats.tls.clientSecretName=client-tls"]
+    docs = render(helm, sets)
+    secrets = rendered_secrets(docs) | provided
+    config = server_config(secrets, tmp_path / "nats")
+    with TlsBroker(BrokerConfig(store_dir=tmp_path / "store", config_file=config)) as b:
+        run_rendered(docs, b.url, secrets, tmp_path)
+
+
+def test_an_existing_server_with_nkey_secrets(helm: Path, tmp_path: Path) -> None:
+    """The server `ddpbus broker --auth` runs; the URL from a Secret, proto3 JSON wire."""
+    creds = auth.write_credentials(tmp_path / "auth", "smoke", 2)
+    secrets: Secrets = {f"login-{i}": {"seed": creds.seed(i).read_bytes()}
+                        for i in creds.identities}
+    sets = [*BASE, f"coordinator.metrics.port={free_port()}", "nats.bundled=false",
+            "nats.urlSecret.name=nats-url", "auth.existing.secretPrefix=login",
+            "auth.existing.kind=nkey", "training.wireJson=true"]
+    with EmbeddedBroker(BrokerConfig(store_dir=tmp_path / "store",
+                                     auth_file=creds.config)) as b:
+        secrets["nats-url"] = {"url": b.url.encode()}
+        docs = render(helm, sets)
+        run_rendered(docs, b.url, rendered_secrets(docs) | secrets, tmp_path)
+
+
+def run_rendered(docs: list[dict[str, Any]], url: str, secrets: Secrets,
+                 tmp_path: Path) -> None:
     [coord] = [d for d in by_kind(docs, "Deployment") if "coordinator" in d["metadata"]["name"]]
-    [workers] = [d for d in by_kind(docs, "StatefulSet") if "worker" in d["metadata"]["name"]]
-    key_dir = tmp_path / "key"
-    key_dir.mkdir()
-    (key_dir / "job.key").write_bytes(os.urandom(24).hex().encode())  # the Secret's content
-    host = url.removeprefix("nats://")
-    secrets = {("nats-url", "url"): url}
-    base = {"train-ddpbus-nats:4222": host, "/etc/ddpbus/key": str(key_dir),
+    [check] = by_kind(docs, "Pod")  # the helm test pod: `ddpbus status` as the observer
+    base = {"train-ddpbus-nats:4222": url.split("://", 1)[1],
             "/opt/ddpbus/examples": str(ROOT / "examples")}
     clean = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
+    pods = {"coordinator": coord["spec"]["template"]["spec"]}
+    pods |= {f"worker-{r}": sts["spec"]["template"]["spec"]
+             for r, sts in enumerate(worker_sets(docs))}
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
-        def start(name: str, argv: list[str], env: dict[str, str]) -> None:
+        for name, pod in pods.items():
+            mapping = base | mounts(pod, secrets, tmp_path / name)
+            argv, env = process(pod["containers"][0], mapping, secrets)
             with (tmp_path / f"{name}.log").open("wb") as log:
                 procs[name] = subprocess.Popen(argv, env=clean | env, stdout=log,
                                                stderr=subprocess.STDOUT)
-
-        start("coordinator", *process(container(coord), 0, base, secrets))
-        for ordinal in range(workers["spec"]["replicas"]):
-            mapping = base | {"/var/lib/ddpbus": str(tmp_path / f"out-{ordinal}")}
-            start(f"worker-{ordinal}", *process(container(workers), ordinal, mapping, secrets))
         codes = {name: p.wait(240) for name, p in procs.items()}
     finally:
         for p in procs.values():
@@ -102,16 +201,19 @@ def run_rendered(docs: list[dict[str, Any]], url: str, tmp_path: Path) -> None:
                 p.kill()
     logs = "\n".join(f"--- {n}\n{(tmp_path / f'{n}.log').read_text()[-3000:]}" for n in procs)
     assert codes == dict.fromkeys(procs, 0), logs
-    status = subprocess.run([str(BIN / "ddpbus"), "status", "--json"],
-                            env=clean | {"DDPBUS_JOB": "smoke", "DDPBUS_NATS_URL": url,
-                                         "DDPBUS_KEY_FILE": str(key_dir / "job.key")},
-                            capture_output=True, text=True, timeout=60, check=False)
+    mapping = base | mounts(check["spec"], secrets, tmp_path / "status")
+    argv, env = process(check["spec"]["containers"][0], mapping, secrets)
+    status = subprocess.run([*argv, "--json"], env=clean | env, capture_output=True,
+                            text=True, timeout=60, check=False)
     assert status.returncode == 0, status.stderr
     doc = json.loads(status.stdout)
     assert doc["phase"] == "done"
     assert doc["outcome"]["ok"], doc
     assert doc["epochs"] == 3
-    assert [m["state"] for m in doc["members"]] == ["exited", "exited"]
-    # the elected checkpoint rank saved the consensus into its --out volume
-    assert any((tmp_path / f"out-{r}" / "consensus.safetensors").exists() for r in (0, 1))
-    assert "pa55-word" not in logs  # credentials never reach a log
+    login = {k: v for k, v in env.items() if k in ("DDPBUS_NATS_USER", "DDPBUS_NATS_NKEY")}
+    assert login  # the observer logs in; without its login the server refuses:
+    anonymous = subprocess.run(argv, env={k: v for k, v in (clean | env).items()
+                                          if k not in login and "PASSWORD" not in k},
+                               capture_output=True, text=True, timeout=60, check=False)
+    assert anonymous.returncode != 0
+    assert "uthorization" in anonymous.stderr, anonymous.stderr

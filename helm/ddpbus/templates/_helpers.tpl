@@ -132,3 +132,9 @@ app.kubernetes.io/component: {{ .component }}
 - --knob={{ $k }}={{ $v }}
 {{- end }}
 {{- end -}}
+
+{{/* rank N's StatefulSet: <fullname>-worker-N, short enough for the controller-revision-hash
+label (a StatefulSet's name plus 11 characters must fit in 63) */}}
+{{- define "ddpbus.workerName" -}}
+{{- printf "%s-worker-%d" (include "ddpbus.fullname" .root | trunc 40 | trimSuffix "-") (int .rank) -}}
+{{- end -}}
