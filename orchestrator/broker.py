@@ -186,7 +186,7 @@ class EmbeddedBroker:
 
     @staticmethod
     def _accepts(url: str) -> bool:
-        host, _, port = url.removeprefix("nats://").rpartition(":")
+        host, _, port = url.partition("://")[2].rpartition(":")  # nats:// or tls://
         try:
             with socket.create_connection((host.strip("[]"), int(port)), timeout=0.5):
                 return True

@@ -23,6 +23,7 @@ import contextlib
 import io
 import json
 import logging
+import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -86,20 +87,24 @@ def redact(url: str) -> str:
 
 
 class _ErrorLog:
-    """One client's nats-py error callback: a refused first login is remembered (retrying
-    cannot help), every refused publish or subscription is logged (the connection stays
-    up), an outage once."""
+    """One client's nats-py error callback: a refused first login or an untrusted server
+    certificate ends the connect at once (retrying cannot help; nats-py itself would retry
+    a failed TLS handshake forever), every refused publish or subscription is logged (the
+    connection stays up), an outage once."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.outage = 0  # errors since the connection was last good
         self.refused: list[str] = []
+        self.fatal = asyncio.Event()
         self.connected = False
 
     async def on_error(self, exc: Exception) -> None:
         text = str(exc)
-        if "authorization violation" in text.lower() and not self.connected:
-            self.refused.append(text)
+        if not self.connected and ("authorization violation" in text.lower()
+                                   or isinstance(exc, ssl.SSLError)):
+            self.refused.append(f"{type(exc).__name__}: {text}")
+            self.fatal.set()
         elif "permissions violation" in text.lower():
             log.error("%s: refused by the NATS server: %s", self.name, text)
         else:
@@ -169,7 +174,7 @@ async def connect(url: str, *, name: str, deadline: timedelta = timedelta(second
             reraise=True,
         ):
             with attempt:
-                nc = await nats.connect(
+                nc = await _first_connect(errors, nats.connect(
                     url, name=name, **options,
                     connect_timeout=2, max_reconnect_attempts=1, reconnect_time_wait=0.1,
                     # no silent buffering while reconnecting: a publish then fails at once
@@ -177,7 +182,7 @@ async def connect(url: str, *, name: str, deadline: timedelta = timedelta(second
                     allow_reconnect=True, pending_size=0, error_cb=errors.on_error,
                     disconnected_cb=disconnected,
                     reconnected_cb=reconnected, reconnect_to_server_handler=next_server,
-                )
+                ))
                 nc.options["max_reconnect_attempts"] = -1  # connected: never give up again
                 errors.connected = True
                 return nc
@@ -186,10 +191,26 @@ async def connect(url: str, *, name: str, deadline: timedelta = timedelta(second
             why = errors.refused[-1] if errors.refused else exc
             raise BusUnavailable(f"NATS at {redact(url)} refused {name}'s login ({why}): "
                                  "check its credentials (--nats-nkey, --nats-user, "
-                                 "--nats-creds or the URL)") from exc
+                                 "--nats-creds or the URL) and --nats-tls-ca") from exc
         raise BusUnavailable(f"cannot reach NATS at {redact(url)} within {deadline}: {exc}"
                              ) from exc
     raise BusUnavailable(f"cannot reach NATS at {redact(url)}")  # pragma: no cover
+
+
+async def _first_connect(errors: _ErrorLog, attempt: Awaitable[Client]) -> Client:
+    """``attempt``, abandoned as soon as the server refused us for good."""
+    task = asyncio.ensure_future(attempt)
+    fatal = asyncio.ensure_future(errors.fatal.wait())
+    try:
+        await asyncio.wait({task, fatal}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        fatal.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, *_NATS_ERRORS):
+            await task
+        raise nats.errors.AuthorizationError
+    return task.result()
 
 
 T = TypeVar("T")
