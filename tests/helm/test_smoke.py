@@ -136,15 +136,6 @@ def server_config(secrets: Secrets, folder: Path) -> Path:
     return folder / "nats.conf"
 
 
-class TlsBroker(EmbeddedBroker):
-    """EmbeddedBroker whose readiness probe also parses the ``tls://`` URL a TLS server
-    lists in its ports file (broker.py strips only ``nats://`` and never sees it ready)."""
-
-    @staticmethod
-    def _accepts(url: str) -> bool:
-        return EmbeddedBroker._accepts("nats://" + url.split("://", 1)[1])
-
-
 BASE = ["worker.gpu.enabled=false", "training.backend=gloo", "training.workers=2",
         "training.epochs=3", "job=smoke"]
 
@@ -157,7 +148,7 @@ def test_the_bundled_server_config_logins_and_mutual_tls(helm: Path, tmp_path: P
     docs = render(helm, sets)
     secrets = rendered_secrets(docs) | provided
     config = server_config(secrets, tmp_path / "nats")
-    with TlsBroker(BrokerConfig(store_dir=tmp_path / "store", config_file=config)) as b:
+    with EmbeddedBroker(BrokerConfig(store_dir=tmp_path / "store", config_file=config)) as b:
         run_rendered(docs, b.url, secrets, tmp_path)
 
 
