@@ -17,6 +17,7 @@ Protocol rules kept from flodl:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -239,12 +240,22 @@ def _lr_update_from_wire(w: Any) -> m.LrUpdate:
     return m.LrUpdate(rank=w.rank, lr=w.lr)
 
 
+MAX_REJECTION_REASONS = 64
+_REASON = re.compile(r"[a-z][a-z0-9-]{0,39}")
+
+
 def _heartbeat_to_wire(x: m.Heartbeat) -> pb.TimingMsg:
-    return _T(heartbeat=_T.Heartbeat(rank=x.rank, step_count=x.step_count))
+    return _T(heartbeat=_T.Heartbeat(rank=x.rank, step_count=x.step_count,
+                                     rejections=dict(x.rejections)))
 
 
 def _heartbeat_from_wire(w: Any) -> m.Heartbeat:
-    return m.Heartbeat(rank=w.rank, step_count=w.step_count)
+    reasons = dict(w.rejections)
+    if len(reasons) > MAX_REJECTION_REASONS or not all(map(_REASON.fullmatch, reasons)):
+        raise InvalidField(f"Heartbeat.rejections: at most {MAX_REJECTION_REASONS} reasons, "
+                           "each lower-case letters, digits and dashes",
+                           msg_type="TimingMsg.Heartbeat")
+    return m.Heartbeat(rank=w.rank, step_count=w.step_count, rejections=reasons)
 
 
 _INTENT_TO_WIRE: Final = {

@@ -230,6 +230,8 @@ class LrUpdate:
 class Heartbeat:
     rank: int
     step_count: int
+    # what this incarnation refused so far, by reason: every refusal reaches the metrics
+    rejections: Mapping[str, int] = field(default_factory=dict)
 
 
 @_fast_init

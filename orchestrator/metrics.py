@@ -71,6 +71,10 @@ class CoordinatorMetrics:
                                   "decode, bad-signature, stale-generation, oversize, ...; "
                                   "core: duplicate-id, dead-rank, ...)", ("job", "reason"),
                                   registry=r)
+        self.rank_rejections = gauge("ddpbus_rank_rejections", "messages a rank refused "
+                                     "(bad-signature, stale-generation, ...), by reason, as "
+                                     "its heartbeat reports them (since it started)",
+                                     ("rank", "reason"))
         self.job = job
         self._seen_refusals: dict[str, int] = {}
         for series in (self.rounds, self.failed_rounds, self.average_seconds, self.deaths,
@@ -107,6 +111,10 @@ class CoordinatorMetrics:
             if grew > 0:
                 self.rejections.labels(self.job, reason).inc(grew)
                 self._seen_refusals[reason] = total
+
+    def on_rank_rejections(self, rank: int, counts: Mapping[str, int]) -> None:
+        for reason, total in counts.items():
+            self.rank_rejections.labels(self.job, str(rank), reason).set(total)
 
     def refresh(self, s: State, *, batch_size: int, pending: int | None) -> None:
         """The gauges that mirror the core's state (called from the ticker)."""

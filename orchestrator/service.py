@@ -113,6 +113,8 @@ class Coordinator:
         self.resumed_from: int | None = None
         self._lock = asyncio.Lock()
         self.rejected: Counter[str] = Counter()
+        # what each rank's current incarnation refused, by reason (from its heartbeats)
+        self.rank_rejected: dict[int, dict[str, int]] = {}
         self.finish: asyncio.Future[Finish] | None = None
         self._events_file: IO[str] | None = None
         self._bus_down_since: float | None = None  # wall clock when the connection dropped
@@ -171,6 +173,8 @@ class Coordinator:
         # the end: store it, for `ddpbus status` and for a coordinator started again
         await self._snapshot([])
         summary = summarize(self.state) | {"decode_rejections": dict(self.rejected),
+                                           "rank_rejections": {str(r): dict(c) for r, c in
+                                                               self.rank_rejected.items()},
                                            "snapshots": self.snapshots,
                                            "resumed_from_seq": self.resumed_from}
         await bus.retry_while_away(lambda: kv.put(SUMMARY_KEY, json.dumps(summary).encode()))
@@ -465,6 +469,10 @@ class Coordinator:
     async def _on_live(self, msg: Msg) -> None:
         body, _ = self._decode(msg)  # core NATS, out of stream order: not deduplicated
         if isinstance(body, m.Heartbeat):
+            if body.rank < self.config.world_size:
+                self.rank_rejected[body.rank] = dict(body.rejections)
+                if self.metrics is not None:
+                    self.metrics.on_rank_rejections(body.rank, body.rejections)
             await self.apply(Timing(body))
 
     async def _ticker(self) -> None:

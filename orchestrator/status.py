@@ -21,6 +21,7 @@ from ddpbus.codecs.errors import DdpbusError
 from ddpbus.orchestrator import bundles, snapshot
 from ddpbus.orchestrator.auth import Access, access
 from ddpbus.orchestrator.lease import LEASE_KEY
+from ddpbus.orchestrator.lease import parse as parse_lease
 from ddpbus.orchestrator.service import SUMMARY_KEY
 from ddpbus.orchestrator.state import State
 
@@ -95,9 +96,8 @@ async def gather(js: JetStreamContext, job: str, key: bytes) -> dict[str, Any]:
                            "age_s": round(now - snap.saved_at, 3)}
     lease = await _get(kv, LEASE_KEY)
     if lease:
-        doc = json.loads(lease)
-        out["lease"] = {"holder": doc.get("holder"),
-                        "expires_in_s": round(float(doc.get("expires", 0)) - now, 3)}
+        held = parse_lease(lease, 0)  # an unreadable value reads as expired
+        out["lease"] = {"holder": held.holder, "expires_in_s": round(held.expires - now, 3)}
     else:
         out["lease"] = None
     manifest = await bundles.latest(js, job)
@@ -105,8 +105,8 @@ async def gather(js: JetStreamContext, job: str, key: bytes) -> dict[str, Any]:
         "version": manifest.version, "epoch": manifest.meta.get("epoch"),
         "global_step": manifest.meta.get("global_step"), "store": manifest.store}
     summary = await _get(kv, SUMMARY_KEY)
-    if summary:
-        done = json.loads(summary)
+    done = _json_object(summary)
+    if done is not None:
         out["summary"] = {k: done.get(k) for k in ("ok", "reason", "test_accuracy",
                                                     "epochs", "rounds", "wall_s")}
     out["stream"] = {"messages": info.state.messages, "bytes": info.state.bytes,
@@ -158,6 +158,17 @@ def render(doc: dict[str, Any]) -> str:
         lines.append(f"  summary: ok={s['ok']} accuracy={s['test_accuracy']} "
                      f"epochs={s['epochs']} rounds={s['rounds']}")
     return "\n".join(lines)
+
+
+def _json_object(raw: bytes | None) -> dict[str, Any] | None:
+    """A stored JSON object, None when absent or not one (status reads, never crashes)."""
+    if not raw:
+        return None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 async def show(nats: str | Access, job: str, key: bytes, *, as_json: bool) -> int:

@@ -486,7 +486,8 @@ class WorkerAgent:
     async def _heartbeat(self) -> None:
         s = self.settings
         out = self.encoder.encode(sj.LIVE_RANK.subject(s.job, s.rank),
-                                  m.Heartbeat(rank=s.rank, step_count=self.trainer.step))
+                                  m.Heartbeat(rank=s.rank, step_count=self.trainer.step,
+                                              rejections=dict(self.rejected)))
         with contextlib.suppress(Exception):
             await bus.publish_core(self.nc, out)
 

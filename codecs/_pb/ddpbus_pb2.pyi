@@ -309,20 +309,46 @@ class TimingMsg(_message.Message):
 
         DESCRIPTOR: _descriptor.Descriptor
 
+        @_typing.final
+        class RejectionsEntry(_message.Message):
+            DESCRIPTOR: _descriptor.Descriptor
+
+            KEY_FIELD_NUMBER: _builtins.int
+            VALUE_FIELD_NUMBER: _builtins.int
+            key: _builtins.str
+            value: _builtins.int
+            def __init__(
+                self,
+                *,
+                key: _builtins.str = ...,
+                value: _builtins.int = ...,
+            ) -> None: ...
+            _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+            def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+            _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+            def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+            def WhichOneof(self, oneof_group: _Never) -> None: ...
+
         RANK_FIELD_NUMBER: _builtins.int
         STEP_COUNT_FIELD_NUMBER: _builtins.int
+        REJECTIONS_FIELD_NUMBER: _builtins.int
         rank: _builtins.int
         step_count: _builtins.int
         """diagnostic"""
+        @_builtins.property
+        def rejections(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+            """messages this incarnation refused so far, by DecodeError reason (bad-signature, ...)"""
+
         def __init__(
             self,
             *,
             rank: _builtins.int = ...,
             step_count: _builtins.int = ...,
+            rejections: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         ) -> None: ...
         _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank", "step_count", b"step_count"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank", "rejections", b"rejections", "step_count", b"step_count"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 

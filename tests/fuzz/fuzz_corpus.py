@@ -257,6 +257,10 @@ SPECIAL |= {
     m.RunConfig: st.deferred(lambda: builds(
         m.RunConfig, coordinator_timeout_s=st.floats(0.1, 600.0),
         collective_timeout_s=st.floats(0.0, 600.0), easgd_alpha=st.floats(0.01, 1.0))),
+    # a heartbeat's refusal counts are keyed by the codec's own reasons
+    m.Heartbeat: st.deferred(lambda: builds(
+        m.Heartbeat, rejections=st.dictionaries(st.sampled_from(sorted(REASONS)),
+                                                st.integers(0, 10**6), max_size=3))),
 }
 
 CLASSES: Final[Mapping[str, tuple[type[Any], ...]]] = {

@@ -4,13 +4,14 @@ prometheus-client's own parser."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from jobs import chaos_job
+from jobs import KEY, chaos_job
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddpbus.codecs import Encoder
@@ -36,14 +37,28 @@ def scrape(port: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
 
 
 async def forge(url: str) -> None:
-    """A timing message signed with the wrong key: refused, and counted."""
+    """Four forgeries, each refused and counted, none changing anything: a rank's Exiting
+    signed with the wrong key and one with no signature (the coordinator's), a rank's
+    Exiting replayed at generation 0 (below the admitted one) and a Shutdown from a
+    coordinator generation 0 (rank 1's fence is the live one's)."""
     nc = await connect(url, name="forger")
-    # a generation of its own: the same Nats-Msg-Id as a real message would make JetStream
-    # drop the real one as a duplicate (per-rank publish permissions stop that, issue 8)
-    enc = Encoder(job="scraped", key=b"not-the-job-key-0123456789abcdef", sender="rank-1",
-                  generation=99)
-    out = enc.encode(sj.TIMING_RANK.subject("scraped", 1), m.Exiting(rank=1))
-    await nc.jetstream().publish(out.subject, out.payload, headers=out.headers)
+    js = nc.jetstream()
+    # generations of their own where a real message could share the Nats-Msg-Id
+    # (JetStream would drop the real one as a duplicate; per-identity publish permissions
+    # stop that where auth is on)
+    wrong = Encoder(job="scraped", key=b"not-the-job-key-0123456789abcdef", sender="rank-1",
+                    generation=99)
+    out = wrong.encode(sj.TIMING_RANK.subject("scraped", 1), m.Exiting(rank=1))
+    await js.publish(out.subject, out.payload, headers=out.headers)
+    unsigned = wrong.encode(sj.TIMING_RANK.subject("scraped", 1), m.Exiting(rank=1))
+    await js.publish(unsigned.subject, unsigned.payload,
+                     headers={k: v for k, v in unsigned.headers.items() if k != sj.H_SIG})
+    stale = Encoder(job="scraped", key=KEY, sender="rank-1", generation=0)
+    out = stale.encode(sj.TIMING_RANK.subject("scraped", 1), m.Exiting(rank=1))
+    await js.publish(out.subject, out.payload, headers=out.headers)
+    deposed = Encoder(job="scraped", key=KEY, sender="coordinator", generation=0)
+    out = deposed.encode(sj.CONTROL_RANK.subject("scraped", 1), m.Shutdown())
+    await js.publish(out.subject, out.payload, headers=out.headers)
     await nc.close()
 
 
@@ -57,12 +72,21 @@ def test_metrics_during_a_run(broker: EmbeddedBroker, tmp_path: Path) -> None:
             assert time.monotonic() < deadline, job.dump()
             time.sleep(0.05)  # poll interval of a deadline-bound wait
         port = int(found.group(1))
+        # both ranks admitted and training (so rank 1 fences the coordinator's generation)
+        while True:
+            with contextlib.suppress(OSError):  # the endpoint may still be starting
+                if len(scrape(port).get("ddpbus_rank_batch_ms", {})) == 2:
+                    break
+            assert time.monotonic() < deadline, job.dump()
+            time.sleep(0.1)  # poll interval of a deadline-bound wait
         asyncio.run(forge(broker.url))
         while True:  # until two averages and the forged message are counted
             got = scrape(port)
             rounds = sum(got.get("ddpbus_averaging_rounds_total", {}).values())
             refused = got.get("ddpbus_rejections_total", {})
-            if rounds >= 2 and refused and len(got.get("ddpbus_rank_batch_ms", {})) == 2:
+            fenced = got.get("ddpbus_rank_rejections", {})
+            if (rounds >= 2 and len(refused) >= 2 and fenced
+                    and len(got.get("ddpbus_rank_batch_ms", {})) == 2):
                 break
             assert time.monotonic() < deadline, got
             time.sleep(0.1)  # poll interval of a deadline-bound wait
@@ -81,12 +105,16 @@ def test_metrics_during_a_run(broker: EmbeddedBroker, tmp_path: Path) -> None:
         assert got["ddpbus_alive_ranks"][(job_label,)] == 2
         assert got["ddpbus_average_duration_seconds_count"][(job_label,)] >= 1
         assert (job_label,) in got["ddpbus_jetstream_pending_messages"]
-        assert refused[(job_label, ("reason", "bad-signature"))] == 1
+        assert refused[(job_label, ("reason", "bad-signature"))] == 2  # wrong key, none
+        assert refused[(job_label, ("reason", "stale-generation"))] == 1
+        # rank 1 refused the deposed coordinator's Shutdown, and its heartbeat said so
+        assert fenced[(job_label, ("rank", "1"), ("reason", "stale-generation"))] == 1
         assert got["ddpbus_dead_ranks_total"][(job_label,)] == 0
         summary = job.wait()
     finally:
         job.kill()
-    assert summary["ok"], summary
+    assert summary["ok"], summary  # nobody exited or shut down early: nothing changed
+    assert summary["rank_rejections"]["1"] == {"stale-generation": 1}
     # the coordinator wrote the run report at the end
     assert (tmp_path / "report" / "index.html").exists()
     assert (tmp_path / "report" / "loss.png").stat().st_size > 0

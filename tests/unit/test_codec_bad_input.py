@@ -390,6 +390,12 @@ def _invalid_field() -> list[Case]:
                 _c("TimingMsg", intent=t.Intent(rank=3))),
         _signed("intent-unknown-number", InvalidField, T3, "TimingMsg.Intent",
                 _c("TimingMsg", intent=t.Intent(rank=3, kind=9))),
+        _signed("heartbeat-reason-not-a-slug", InvalidField, f"ddpbus.{JOB}.live.rank.3",
+                "TimingMsg.Heartbeat", _c("TimingMsg", heartbeat=t.Heartbeat(
+                    rank=3, rejections={"Bad Signature": 1})), match="rejections"),
+        _signed("heartbeat-65-reasons", InvalidField, f"ddpbus.{JOB}.live.rank.3",
+                "TimingMsg.Heartbeat", _c("TimingMsg", heartbeat=t.Heartbeat(
+                    rank=3, rejections={f"r{i}": 1 for i in range(65)})), match="at most 64"),
         _signed("tensor-unknown-dtype", InvalidField, D3, tensor.TYPE_NAME,
                 frame(dtype="complex64")),
         _signed("tensor-shape-disagrees", InvalidField, D3, tensor.TYPE_NAME,

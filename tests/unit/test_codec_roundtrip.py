@@ -182,6 +182,9 @@ STRATEGIES[m.Update] = st.one_of(builds(m.Update, realized=st.just(True)),
                                  builds(m.Update, realized=st.just(False),
                                         accepted=st.just(())))
 STRATEGIES[m.NewNcclSession] = _new_session()
+# refusal reasons are DecodeError reasons: lower-case slugs (at most 64 of them)
+STRATEGIES[m.Heartbeat] = builds(m.Heartbeat, rejections=st.dictionaries(
+    st.from_regex(r"[a-z][a-z0-9-]{0,39}", fullmatch=True), u64s(), max_size=4))
 
 ALL_CLASSES = tuple(STRATEGIES)
 
