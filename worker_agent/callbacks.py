@@ -152,7 +152,7 @@ def _hand_bundle(trainer: Trainer, msg: m.SaveConsensusModel,
                  sink: Callable[[int, dict[str, bytes], dict[str, Any]], None]) -> None:
     try:
         meta = json.loads(msg.bundle_meta)
-    except ValueError:
+    except (ValueError, RecursionError):  # signed by the coordinator, yet read defensively
         meta = None
     if not isinstance(meta, dict):
         log.error("rank %d: bundle v%d refused (nothing stored): its meta is not a JSON "

@@ -92,9 +92,12 @@ def read_meta(path: Path) -> dict[str, Any]:
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-    except (OSError, ValueError, SafetensorError) as exc:
+        doc = json.loads(meta.get("ddpbus", "{}"))
+    except (OSError, ValueError, SafetensorError, RecursionError) as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
-    return dict(json.loads(meta.get("ddpbus", "{}")))
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"cannot read {path}: its ddpbus metadata is not a JSON record")
+    return doc
 
 
 def load_model(path: Path, model: torch.nn.Module) -> dict[str, Any]:
@@ -122,8 +125,10 @@ def load_optimizer_bytes(blob: bytes, optimizer: torch.optim.Optimizer, what: st
     try:
         tensors = load(blob)
         doc = json.loads(_blob_meta(blob).get("ddpbus", "{}"))
-    except (OSError, ValueError, SafetensorError) as exc:
+    except (OSError, ValueError, SafetensorError, RecursionError) as exc:
         raise CheckpointError(f"cannot read {what}: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"cannot read {what}: its ddpbus metadata is not a JSON record")
     _rebuild_optimizer(optimizer, tensors, doc, what)
 
 
@@ -134,7 +139,12 @@ def _blob_meta(blob: bytes) -> dict[str, str]:
     size = int.from_bytes(blob[:8], "little")
     if size > len(blob) - 8:
         raise ValueError("truncated safetensors header")
-    header = json.loads(blob[8:8 + size])
+    try:
+        header = json.loads(blob[8:8 + size])
+    except RecursionError:
+        raise ValueError("safetensors header nests too deep") from None
+    if not isinstance(header, dict):
+        raise ValueError("safetensors header is not a map")  # noqa: TRY004 - one family
     meta = header.get("__metadata__") or {}
     if not isinstance(meta, dict):
         raise ValueError("safetensors metadata is not a map")  # noqa: TRY004 - one family

@@ -176,3 +176,42 @@ def test_wire_helpers_write_what_protobuf_reads() -> None:
     msg = pb.TensorFrameHeader()
     msg.ParseFromString(key(3, 2) + varint(2) + varint(5) + varint(7))
     assert list(msg.shape) == [5, 7]
+
+
+# ------------------------------------------------------- a worker's checkpoint readers
+
+
+def _blob(header: bytes) -> bytes:
+    return len(header).to_bytes(8, "little") + header
+
+
+@pytest.mark.parametrize("header", [
+    b"[]",  # a header that is not a map
+    b"[" * 100_000 + b"]" * 100_000,  # nesting deeper than the parser recurses
+    json.dumps({"__metadata__": {"ddpbus": "[1, 2]"}}).encode(),  # meta not a record
+    json.dumps({"__metadata__": {"ddpbus": "[" * 100_000}}).encode(),
+    json.dumps({"__metadata__": ["not", "a", "map"]}).encode(),
+], ids=["list-header", "deep-header", "meta-list", "deep-meta", "metadata-list"])
+def test_an_optimizer_blob_that_does_not_read_is_a_checkpoint_error(header: bytes) -> None:
+    import torch
+
+    from ddpbus.worker_agent import checkpoint
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(checkpoint.CheckpointError):
+        checkpoint.load_optimizer_bytes(_blob(header), opt, "bundle v1 optim")
+    assert opt.state_dict() == before
+
+
+def test_a_model_file_with_unreadable_meta_is_a_checkpoint_error(tmp_path: Any) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from ddpbus.worker_agent import checkpoint
+
+    for i, meta in enumerate(("[1]", "{" * 100_000, "not json")):
+        path = tmp_path / f"m{i}.safetensors"
+        save_file({"w": torch.zeros(2)}, str(path), metadata={"ddpbus": meta})
+        with pytest.raises(checkpoint.CheckpointError, match="cannot read"):
+            checkpoint.read_meta(path)
