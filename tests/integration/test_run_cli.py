@@ -46,6 +46,13 @@ def test_demo_trains_digits_to_95_percent_and_writes_the_summary(tmp_path: Path)
     assert (tmp_path / summary["report"]).resolve() == (run_dir / "report" / "index.html").resolve()
     assert "run report" in out.stdout
     assert not (run_dir / ".job.key").exists()  # the job key does not outlive the run
+    assert not (run_dir / ".credentials").exists()  # nor do the NATS logins
+    # every process logged in as its own identity and the server refused nothing it did
+    logs = {p.name: p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log")}
+    assert {"coordinator.log", "rank-0.log", "rank-1.log"} <= set(logs), sorted(logs)
+    for name, text in logs.items():
+        assert "refused by the NATS server" not in text, (name, text[-2000:])
+        assert "Permissions Violation" not in text, (name, text[-2000:])
 
 
 def test_slowdown_flag_shifts_batches_to_the_fast_rank(tmp_path: Path) -> None:
