@@ -363,7 +363,7 @@ def _request_params_from_wire(w: Any) -> m.RequestParams:
 def _update_to_wire(x: m.Update) -> pb.ControlMsg:
     plan = None if x.next_plan is None else plan_to_wire(x.next_plan)
     return _C(update=_C.Update(version=x.version, next_plan=plan, realized=x.realized,
-                               accepted=x.accepted))
+                               accepted=x.accepted, digest=x.digest))
 
 
 def _update_from_wire(w: Any) -> m.Update:
@@ -371,8 +371,12 @@ def _update_from_wire(w: Any) -> m.Update:
     if not w.realized and w.accepted:
         raise InvalidField("Update accepts contributions of a round it says was not realized",
                            msg_type="Update")
+    if w.realized != bool(w.digest):
+        raise InvalidField(f"Update realized={w.realized} with digest={w.digest!r}: a realized "
+                           "round names its consensus object's digest, another none",
+                           msg_type="Update")
     return m.Update(version=w.version, next_plan=plan, realized=w.realized,
-                    accepted=tuple(w.accepted))
+                    accepted=tuple(w.accepted), digest=w.digest)
 
 
 def _sync_now_to_wire(_: m.SyncNow) -> pb.ControlMsg:

@@ -325,6 +325,7 @@ class Update:
     next_plan: EpochPlan | None = None
     realized: bool = True  # False: nothing was averaged (no mass, or no snapshot arrived)
     accepted: tuple[int, ...] = ()  # ranks whose contribution is in the consensus
+    digest: str = ""  # "SHA-256=<base64>" of the stored consensus (realized rounds only)
 
 
 @_fast_init

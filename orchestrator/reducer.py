@@ -166,15 +166,16 @@ class Reducer:
     async def run(self, cmd: Reduce) -> Reduced:
         started = time.monotonic()
         try:
-            nbytes = await self._reduce(cmd)
+            nbytes, digest = await self._reduce(cmd)
         except (ReduceError, *_TRANSPORT_ERRORS) as exc:
             log.warning("round %d: reduce failed: %s", cmd.version, exc)
             return Reduced(version=cmd.version, ok=False, detail=f"{type(exc).__name__}: {exc}")
         log.info("round %d: reduced %d contributions (%.1f MiB) in %.3f s", cmd.version,
                  len(cmd.contributions), nbytes / 2**20, time.monotonic() - started)
-        return Reduced(version=cmd.version, ok=True)
+        return Reduced(version=cmd.version, ok=True, digest=digest)
 
-    async def _reduce(self, cmd: Reduce) -> int:
+    async def _reduce(self, cmd: Reduce) -> tuple[int, str]:
+        """The bytes read and written, and the stored consensus object's digest."""
         if self._store is None:
             self._store = await rounds_store(self.js, self.job)
         store = self._store
@@ -214,9 +215,12 @@ class Reducer:
             for f in fetches:
                 f.cancel()
         blob = await asyncio.to_thread(acc.consensus, version=cmd.version, bf16=cmd.bf16)
-        await bus.put_object(store, sj.round_consensus(cmd.version), blob, self.chunk)
+        digest = await bus.put_object(store, sj.round_consensus(cmd.version), blob, self.chunk)
+        if not digest:
+            raise ReduceError(f"round {cmd.version}: the store returned no digest for the "
+                              "consensus")
         await self._prune(store, cmd.version)
-        return nbytes + len(blob)
+        return nbytes + len(blob), digest
 
     async def _prune(self, store: ObjectStore, version: int) -> None:
         """Drop this round's contributions, late ones of earlier rounds and old consensus."""

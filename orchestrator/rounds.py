@@ -121,8 +121,12 @@ def on_reduced(s: State, ev: Reduced, now: float, out: Out) -> None:
         out.append(Refuse("stale-reduce", f"Reduced for round {ev.version}, no such round is "
                           "being reduced"))
         return
-    if not ev.ok:
-        out.append(Record("reduce-failed", {"round": rd.version, "why": ev.detail}))
+    ok, why = ev.ok, ev.detail
+    if ok and not ev.digest:  # a shell bug: no rank could check what it applies
+        ok, why = False, "the reducer named no consensus digest"
+        out.append(Refuse("reduce-without-digest", f"Reduced for round {ev.version}: {why}"))
+    if not ok:
+        out.append(Record("reduce-failed", {"round": rd.version, "why": why}))
         s.round_members = ()
         _update(s, rd, realized=False, out=out)
         return
@@ -130,18 +134,20 @@ def on_reduced(s: State, ev: Reduced, now: float, out: Out) -> None:
         r = s.ranks[rank]
         if not r.alive:
             r.seal(rd.ready[rank].step)
-    _update(s, rd, realized=True, out=out)
+    _update(s, rd, realized=True, out=out, digest=ev.digest)
 
 
-def _update(s: State, rd: BrokerRound, *, realized: bool, out: Out) -> None:
+def _update(s: State, rd: BrokerRound, *, realized: bool, out: Out, digest: str = "") -> None:
     accepted = tuple(sorted(rd.ready)) if realized else ()
     targets = [r for r in rd.members if s.ranks[r].alive]
     if rd.plans:  # one Update per rank, each carrying that rank's next plan
         for rank in targets:
             out.append(Send(m.Update(version=rd.version, next_plan=rd.plans.get(rank),
-                                     realized=realized, accepted=accepted), rank=rank))
+                                     realized=realized, accepted=accepted, digest=digest),
+                            rank=rank))
     else:
-        out.append(Send(m.Update(version=rd.version, realized=realized, accepted=accepted)))
+        out.append(Send(m.Update(version=rd.version, realized=realized, accepted=accepted,
+                                 digest=digest)))
     out.append(Record("update", {"round": rd.version, "realized": realized,
                                  "accepted": list(accepted), "folded_plans": len(rd.plans)}))
     s.broker_round = None

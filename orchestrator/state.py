@@ -71,6 +71,7 @@ class Reduced:
     version: int
     ok: bool
     detail: str = ""
+    digest: str = ""  # the stored consensus object's "SHA-256=" digest (ok only)
 
 
 Event = Joined | Timing | Metrics | Tick | Stop | BusRestored | Reduced

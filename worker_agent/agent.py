@@ -345,10 +345,12 @@ class WorkerAgent:
             return Consensus(update=update, blob=None)
         try:
             store = await self._rounds_store()
-            blob, _ = await bus.read_object(store, sj.round_consensus(update.version))
         except bus.TRANSIENT_ERRORS as exc:
             return Consensus(update=update, blob=None, error=f"fetching the consensus: {exc}")
-        return Consensus(update=update, blob=blob)
+        arrived = await fetch_consensus(store, update)
+        if arrived.refused:
+            self.rejected[arrived.refused] += 1
+        return arrived
 
     def _done_future(self) -> asyncio.Future[Outcome]:
         if self._done is None:
@@ -533,3 +535,17 @@ class WorkerAgent:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 self.loop.add_signal_handler(sig, stop, sig)
+
+
+async def fetch_consensus(store: ObjectStore, update: m.Update) -> Consensus:
+    """Round ``update.version``'s consensus from the round bucket, only if it is the object
+    the signed Update names: anyone who can write the bucket could have replaced it."""
+    try:
+        blob, digest = await bus.read_object(store, sj.round_consensus(update.version))
+    except bus.TRANSIENT_ERRORS as exc:
+        return Consensus(update=update, blob=None, error=f"fetching the consensus: {exc}")
+    if digest != update.digest:
+        return Consensus(update=update, blob=None, refused="consensus-digest", error=(
+            f"the stored consensus ({digest}) is not the one the Update names "
+            f"({update.digest})"))
+    return Consensus(update=update, blob=blob)

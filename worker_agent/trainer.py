@@ -70,6 +70,7 @@ class Consensus:
     update: m.Update
     blob: bytes | None
     error: str = ""
+    refused: str = ""  # the rejection reason when the fetched object was refused
 
 
 @dataclass(slots=True)

@@ -617,9 +617,14 @@ class ControlMsg(_message.Message):
         NEXT_PLAN_FIELD_NUMBER: _builtins.int
         REALIZED_FIELD_NUMBER: _builtins.int
         ACCEPTED_FIELD_NUMBER: _builtins.int
+        DIGEST_FIELD_NUMBER: _builtins.int
         version: _builtins.int
         realized: _builtins.bool
         """false: nothing was averaged, keep local state"""
+        digest: _builtins.str
+        """"SHA-256=<base64>" of the stored consensus object: required when realized, empty
+        otherwise (a rank applies only the object the signed Update names)
+        """
         @_builtins.property
         def next_plan(self) -> Global___EpochPlan:
             """atomic dispatch of the next window's plan"""
@@ -635,10 +640,11 @@ class ControlMsg(_message.Message):
             next_plan: Global___EpochPlan | None = ...,
             realized: _builtins.bool = ...,
             accepted: _abc.Iterable[_builtins.int] | None = ...,
+            digest: _builtins.str = ...,
         ) -> None: ...
         _HasFieldArgType: _TypeAlias = _typing.Literal["_next_plan", b"_next_plan", "next_plan", b"next_plan"]  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["_next_plan", b"_next_plan", "accepted", b"accepted", "next_plan", b"next_plan", "realized", b"realized", "version", b"version"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["_next_plan", b"_next_plan", "accepted", b"accepted", "digest", b"digest", "next_plan", b"next_plan", "realized", b"realized", "version", b"version"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         _WhichOneofReturnType__next_plan: _TypeAlias = _typing.Literal["next_plan"]  # noqa: Y015
         _WhichOneofArgType__next_plan: _TypeAlias = _typing.Literal["_next_plan", b"_next_plan"]  # noqa: Y015

@@ -252,8 +252,10 @@ SPECIAL |= {
         builds(m.SnapshotReady, mass=st.just(0.0), digest=st.just("")),
         builds(m.SnapshotReady, mass=st.floats(1e-6, 1e6),
                digest=st.one_of(st.just("SHA-256=q83vEjRWeJA="), _TEXT.filter(bool)))),
-    m.Update: st.one_of(builds(m.Update, realized=st.just(True)),
-                        builds(m.Update, realized=st.just(False), accepted=st.just(()))),
+    m.Update: st.one_of(builds(m.Update, realized=st.just(True),
+                               digest=st.just("SHA-256=q83vEjRWeJA=")),
+                        builds(m.Update, realized=st.just(False), accepted=st.just(()),
+                               digest=st.just(""))),
     m.RunConfig: st.deferred(lambda: builds(
         m.RunConfig, coordinator_timeout_s=st.floats(0.1, 600.0),
         collective_timeout_s=st.floats(0.0, 600.0), easgd_alpha=st.floats(0.01, 1.0))),

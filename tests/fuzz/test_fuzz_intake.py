@@ -214,7 +214,9 @@ async def _feed(intake: Intake, rng: random.Random, mutator: Mutator, count: int
         seen[f"core-refused:{refused[0]}" if refused else "accepted"] += 1
         if intake.reduces and rng.random() < 0.3:
             cmd = intake.reduces.pop()
-            await intake.apply(Reduced(version=cmd.version, ok=rng.random() < 0.7))
+            ok = rng.random() < 0.7
+            await intake.apply(Reduced(version=cmd.version, ok=ok,
+                                       digest="SHA-256=fuzz" if ok else ""))
         if rng.random() < 0.05:
             await intake.apply(Tick())
 

@@ -46,7 +46,8 @@ async def test_reduce_round_trip_and_refusals(broker: EmbeddedBroker, fault: str
     names = {i.name for i in await store.list(ignore_deletes=True)}
     if fault == "none":
         assert result.ok, result.detail
-        blob, _ = await bus.read_object(store, sj.round_consensus(1))
+        blob, stored = await bus.read_object(store, sj.round_consensus(1))
+        assert result.digest == stored  # what the Update names, for every rank to check
         out = unpack_tensors(blob)
         want = sum(m * p.astype(np.float64) for m, p in zip(masses, params, strict=True))
         got = np.frombuffer(out["param.0"].data, dtype=np.float32)
@@ -58,4 +59,28 @@ async def test_reduce_round_trip_and_refusals(broker: EmbeddedBroker, fault: str
         assert ("not the one it announced" if fault == "altered" else "not in the store") \
             in result.detail
         assert "v1.consensus" not in names
+    await nc.close()
+
+
+async def test_a_rank_applies_only_the_consensus_its_update_names(
+        broker: EmbeddedBroker) -> None:
+    """A consensus replaced in the round bucket (any identity that writes the bucket could)
+    is refused by the rank that fetches it, counted as consensus-digest."""
+    from ddpbus.codecs import messages as m
+    from ddpbus.worker_agent.agent import fetch_consensus
+
+    nc = await connect(broker.url, name="consensus-test")
+    store = await reducer.rounds_store(nc.jetstream(), "fenced")
+    chunk = bus.object_chunk(nc.max_payload)
+    real = _blob(np.ones(1000, np.float32), 1.0)
+    digest = await bus.put_object(store, sj.round_consensus(4), real, chunk)
+    update = m.Update(version=4, realized=True, accepted=(0, 1), digest=digest)
+    got = await fetch_consensus(store, update)
+    assert (got.blob, got.refused, got.error) == (real, "", "")
+    await bus.put_object(store, sj.round_consensus(4), _blob(np.ones(1000, np.float32), 7.0),
+                         chunk)
+    got = await fetch_consensus(store, update)
+    assert got.blob is None
+    assert got.refused == "consensus-digest"
+    assert "not the one the Update names" in got.error
     await nc.close()

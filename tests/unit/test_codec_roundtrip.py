@@ -173,14 +173,16 @@ STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
 }
 STRATEGIES[m.Hello] = _hello()
 # the decoder refuses a stored snapshot without mass and a mass without a stored object,
-# and an Update that accepts contributions of a round it says was not realized
+# and an Update that accepts contributions of a round it says was not realized (or
+# names a consensus digest for one, or none for a realized one)
 STRATEGIES[m.SnapshotReady] = st.one_of(
     builds(m.SnapshotReady, mass=st.just(0.0), digest=st.just("")),
     builds(m.SnapshotReady, mass=st.floats(min_value=1e-12, max_value=1e12),
            digest=st.text(min_size=1, max_size=60)))
-STRATEGIES[m.Update] = st.one_of(builds(m.Update, realized=st.just(True)),
+STRATEGIES[m.Update] = st.one_of(builds(m.Update, realized=st.just(True),
+                                        digest=st.text(min_size=1, max_size=60)),
                                  builds(m.Update, realized=st.just(False),
-                                        accepted=st.just(())))
+                                        accepted=st.just(()), digest=st.just("")))
 STRATEGIES[m.NewNcclSession] = _new_session()
 # refusal reasons are DecodeError reasons: lower-case slugs (at most 64 of them)
 STRATEGIES[m.Heartbeat] = builds(m.Heartbeat, rejections=st.dictionaries(

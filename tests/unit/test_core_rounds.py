@@ -92,7 +92,7 @@ def test_every_snapshot_in_reduces_exactly_those_then_update_and_acks_settle() -
     assert cmd.version == 1
     assert [(c.rank, c.mass) for c in cmd.contributions] == [
         (0, 4.0), (1, 4.0)]
-    out = core.feed(Reduced(version=1, ok=True))
+    out = core.feed(Reduced(version=1, ok=True, digest=DIGEST))
     update = update_of(out)
     assert update.realized
     assert update.accepted == (0, 1)
@@ -124,10 +124,30 @@ def test_bad_snapshots_are_refused_and_change_nothing(case: str, reason: str) ->
         snapshot.encode(state_after, b"k")
 
 
+def test_the_update_names_the_consensus_digest_and_a_reduce_without_one_fails() -> None:
+    core = broker()
+    to_gate(core)
+    ready(core, 0)
+    ready(core, 1)
+    out = core.feed(Reduced(version=1, ok=True, digest="SHA-256=consensus"))
+    assert update_of(out).digest == "SHA-256=consensus"  # what each rank checks it fetched
+    other = broker()
+    to_gate(other)
+    ready(other, 0)
+    ready(other, 1)
+    out = other.feed(Reduced(version=1, ok=True))  # no digest: no rank could check it
+    assert refusals(out) == ["reduce-without-digest"]
+    update = update_of(out)
+    assert not update.realized
+    assert (update.digest, update.accepted) == ("", ())
+    assert records(out, "reduce-failed") == [
+        {"round": 1, "why": "the reducer named no consensus digest"}]
+
+
 def test_a_stale_reduced_is_refused() -> None:
     core = broker()
     to_gate(core)
-    assert refusals(core.feed(Reduced(version=1, ok=True))) == ["stale-reduce"]
+    assert refusals(core.feed(Reduced(version=1, ok=True, digest=DIGEST))) == ["stale-reduce"]
 
 
 def test_snapshot_deadline_soft_aborts_the_late_share_only() -> None:
@@ -140,7 +160,7 @@ def test_snapshot_deadline_soft_aborts_the_late_share_only() -> None:
     assert records(out, "snapshot-timeout")[0]["late"] == [1]
     (cmd,) = reduces(out)
     assert [c.rank for c in cmd.contributions] == [0]
-    out = core.feed(Reduced(version=1, ok=True))
+    out = core.feed(Reduced(version=1, ok=True, digest=DIGEST))
     assert update_of(out).accepted == (0,)
     # the late rank kept its parameters: it says so, and carries its steps (no rebuild)
     core.ack(0)
@@ -180,7 +200,7 @@ def test_a_rank_dead_before_its_snapshot_is_not_waited_for_and_its_work_moves() 
     assert records(out, "rank-dead")[0]["rank"] == 2
     (cmd,) = reduces(out)  # at once, not at the snapshot deadline
     assert [c.rank for c in cmd.contributions] == [0, 1]
-    core.feed(Reduced(version=1, ok=True))
+    core.feed(Reduced(version=1, ok=True, digest=DIGEST))
     core.ack(0)
     out = core.ack(1)
     moved = sends(out, m.ExtendPartition)
@@ -194,7 +214,7 @@ def test_a_rank_dead_after_its_snapshot_keeps_its_work_in_the_consensus() -> Non
     to_gate(core)
     for r in (0, 1, 2):
         ready(core, r)
-    out = core.feed(Reduced(version=1, ok=True))
+    out = core.feed(Reduced(version=1, ok=True, digest=DIGEST))
     assert update_of(out).accepted == (0, 1, 2)
     assert records(tick(core, 2.6), "rank-dead")[0]["rank"] == 2
     core.ack(0)
@@ -211,7 +231,7 @@ def test_sync_folds_each_ranks_next_plan_into_its_update() -> None:
     assert not sends(after, m.StartEpoch)
     ready(core, 0)
     ready(core, 1)
-    out = core.feed(Reduced(version=1, ok=True))
+    out = core.feed(Reduced(version=1, ok=True, digest=DIGEST))
     updates = sends(out, m.Update)
     assert sorted(u.rank for u in updates) == [0, 1]  # type: ignore[type-var]
     assert all(u.msg.next_plan is not None for u in updates)
@@ -225,7 +245,7 @@ def test_async_trains_on_during_the_round_and_gets_one_broadcast_update() -> Non
     assert sends(out[request:], m.StartEpoch)  # the next window's plans go out at once
     ready(core, 0)
     ready(core, 1)
-    out = core.feed(Reduced(version=1, ok=True))
+    out = core.feed(Reduced(version=1, ok=True, digest=DIGEST))
     (update,) = sends(out, m.Update)
     assert update.rank is None
     assert update.msg.next_plan is None
