@@ -185,12 +185,7 @@ class Reducer:
         async def fetch(c: Contribution) -> bytes:
             await gate.acquire()  # released once this blob is summed: a few blobs in memory
             try:
-                blob, digest = await bus.read_object(store, sj.round_contribution(cmd.version,
-                                                                          c.rank))
-            except NotFoundError:
-                gate.release()
-                raise ReduceError(f"rank {c.rank}'s contribution to round {cmd.version} is "
-                                  "not in the store (lost with a broker restart?)") from None
+                blob, digest = await _read_announced(store, cmd.version, c)
             except BaseException:
                 gate.release()
                 raise
@@ -234,6 +229,22 @@ class Reducer:
                 if old:
                     with contextlib.suppress(NotFoundError):
                         await store.delete(info.name)
+
+
+async def _read_announced(store: ObjectStore, version: int, c: Contribution
+                          ) -> tuple[bytes, str]:
+    """Rank ``c.rank``'s stored contribution, read only if its size is the announced one
+    (a rank cannot make the coordinator read more than it said)."""
+    name = sj.round_contribution(version, c.rank)
+    try:
+        info = await store.get_info(name)
+        if info.size != c.nbytes:
+            raise ReduceError(f"rank {c.rank}'s stored contribution to round {version} is "
+                              f"{info.size} bytes, not the {c.nbytes} it announced")
+        return await bus.read_object(store, name)
+    except NotFoundError:
+        raise ReduceError(f"rank {c.rank}'s contribution to round {version} is not in the "
+                          "store (lost with a broker restart?)") from None
 
 
 _TRANSPORT_ERRORS: Final = (NatsError, OSError, TimeoutError)

@@ -540,8 +540,11 @@ class WorkerAgent:
 async def fetch_consensus(store: ObjectStore, update: m.Update) -> Consensus:
     """Round ``update.version``'s consensus from the round bucket, only if it is the object
     the signed Update names: anyone who can write the bucket could have replaced it."""
+    name = sj.round_consensus(update.version)
     try:
-        blob, digest = await bus.read_object(store, sj.round_consensus(update.version))
+        digest = str((await store.get_info(name)).digest or "")
+        if digest == update.digest:  # checked first: a replaced object is never read
+            blob, digest = await bus.read_object(store, name)
     except bus.TRANSIENT_ERRORS as exc:
         return Consensus(update=update, blob=None, error=f"fetching the consensus: {exc}")
     if digest != update.digest:

@@ -20,7 +20,7 @@ def _blob(values: np.ndarray, mass: float) -> bytes:
                          ("buffers", "float32", (2,), np.array([1.0, 3.0], np.float32).data)])
 
 
-@pytest.mark.parametrize("fault", ["none", "altered", "missing"])
+@pytest.mark.parametrize("fault", ["none", "altered", "missing", "oversized"])
 async def test_reduce_round_trip_and_refusals(broker: EmbeddedBroker, fault: str) -> None:
     nc = await connect(broker.url, name="reducer-test")
     js = nc.jetstream()
@@ -41,6 +41,9 @@ async def test_reduce_round_trip_and_refusals(broker: EmbeddedBroker, fault: str
                                  _blob(params[1], 9.0), chunk)
     elif fault == "missing":
         await store.delete(sj.round_contribution(1, 2))
+    elif fault == "oversized":  # replaced by far more than it announced: never read
+        await bus.put_object(store, sj.round_contribution(1, 2),
+                             _blob(np.zeros(3_000_000, np.float32), 1.0), chunk)
     result = await reducer.Reducer(js, "red", nc.max_payload).run(
         Reduce(version=1, contributions=tuple(contributions)))
     names = {i.name for i in await store.list(ignore_deletes=True)}
@@ -56,8 +59,8 @@ async def test_reduce_round_trip_and_refusals(broker: EmbeddedBroker, fault: str
         assert names == {"v1.consensus"}  # the contributions are gone once reduced
     else:
         assert not result.ok
-        assert ("not the one it announced" if fault == "altered" else "not in the store") \
-            in result.detail
+        assert {"altered": "not the one it announced", "missing": "not in the store",
+                "oversized": "bytes, not the"}[fault] in result.detail
         assert "v1.consensus" not in names
     await nc.close()
 
