@@ -237,6 +237,18 @@ class NatsAuth:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ConfigError(f"NATS {name.replace('_', ' ')} file {path} does not exist")
+        if self.nkey is not None:
+            seed = self.nkey.read_bytes().strip()
+            try:
+                nkeys.from_seed(bytearray(seed)).public_key  # noqa: B018 - validates the seed
+            except nkeys.NkeysError:
+                raise ConfigError(f"NATS nkey file {self.nkey} does not hold an nkey seed "
+                                  "(one line, S...)") from None
+        if self.tls:
+            try:
+                self._tls_context()
+            except (ssl.SSLError, OSError, ValueError) as exc:
+                raise ConfigError(f"NATS TLS files do not load: {exc}") from None
 
     @property
     def tls(self) -> bool:
@@ -253,11 +265,14 @@ class NatsAuth:
             opts["user"] = self.user
             opts["password"] = self.password_file.read_text().strip()
         if self.tls:
-            ctx = ssl.create_default_context(cafile=str(self.tls_ca) if self.tls_ca else None)
-            if self.tls_cert is not None and self.tls_key is not None:
-                ctx.load_cert_chain(str(self.tls_cert), str(self.tls_key))
-            opts["tls"] = ctx
+            opts["tls"] = self._tls_context()
         return opts
+
+    def _tls_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.tls_ca) if self.tls_ca else None)
+        if self.tls_cert is not None and self.tls_key is not None:
+            ctx.load_cert_chain(str(self.tls_cert), str(self.tls_key))
+        return ctx
 
     def env(self) -> dict[str, str]:
         """The ``DDPBUS_NATS_*`` variables that give a child process these settings."""
