@@ -124,18 +124,19 @@ def test_bad_snapshots_are_refused_and_change_nothing(case: str, reason: str) ->
         snapshot.encode(state_after, b"k")
 
 
-def test_the_update_names_the_consensus_digest_and_a_reduce_without_one_fails() -> None:
+def reducing() -> Core:
+    """A broker-backend core whose round 1 has both snapshots in and is being reduced."""
     core = broker()
     to_gate(core)
     ready(core, 0)
     ready(core, 1)
-    out = core.feed(Reduced(version=1, ok=True, digest="SHA-256=consensus"))
+    return core
+
+
+def test_the_update_names_the_consensus_digest_and_a_reduce_without_one_fails() -> None:
+    out = reducing().feed(Reduced(version=1, ok=True, digest="SHA-256=consensus"))
     assert update_of(out).digest == "SHA-256=consensus"  # what each rank checks it fetched
-    other = broker()
-    to_gate(other)
-    ready(other, 0)
-    ready(other, 1)
-    out = other.feed(Reduced(version=1, ok=True))  # no digest: no rank could check it
+    out = reducing().feed(Reduced(version=1, ok=True))  # no digest: no rank could check it
     assert refusals(out) == ["reduce-without-digest"]
     update = update_of(out)
     assert not update.realized
@@ -182,10 +183,7 @@ def test_no_snapshot_at_all_is_a_round_not_realized_without_a_reduce() -> None:
 
 
 def test_a_failed_reduce_becomes_an_update_not_realized() -> None:
-    core = broker()
-    to_gate(core)
-    ready(core, 0)
-    ready(core, 1)
+    core = reducing()
     out = core.feed(Reduced(version=1, ok=False, detail="digest mismatch"))
     assert records(out, "reduce-failed")[0]["why"] == "digest mismatch"
     assert not update_of(out).realized
