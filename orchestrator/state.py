@@ -344,6 +344,8 @@ class State:
     last_bundle: int = 0  # the latest resume bundle version asked for
     broker_round: BrokerRound | None = None  # the broker backend's average in flight
     snapshot_aborts: int = 0  # ranks whose snapshot missed a round's deadline
+    gate_hint: int = 0  # the rank that last held the averaging gate shut (a search hint)
+    ack_hint: int = 0  # the rank that last had not acknowledged an average (the same)
 
     @property
     def schedule(self) -> Schedule:

@@ -12,6 +12,8 @@ for acks), epoch-boundary callbacks go out, and the next window opens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ddpbus.codecs import messages as m
 from ddpbus.orchestrator import callbacks, recovery, rounds
 from ddpbus.orchestrator.aggregate import aggregate_epoch
@@ -132,11 +134,43 @@ def _satisfied(r: RankState) -> bool:
             and not r.awaiting_metrics())
 
 
+def _holdout(s: State, hint: int, ready: Callable[[RankState], bool]) -> RankState | None:
+    """An alive rank not ``ready``, None when there is none. The search starts at ``hint``,
+    the rank that held out last time: while it still does (the common case: a message
+    from any other rank), this is O(1), and a window costs O(ranks) in all however the
+    ranks report. The hint is only where to look: the answer never depends on it."""
+    ranks = s.ranks
+    n = len(ranks)
+    for k in range(n):
+        r = ranks[(hint + k) % n]
+        if r.alive and not ready(r):
+            return r
+    return None
+
+
+def _blocker(s: State) -> RankState | None:
+    """An alive rank that holds the gate shut (unacknowledged, or not satisfied)."""
+    r = _holdout(s, s.gate_hint, lambda r: r.acked and _satisfied(r))
+    if r is not None:
+        s.gate_hint = r.rank
+    return r
+
+
+def _unacked(s: State) -> RankState | None:
+    """An alive rank that has not answered the latest SyncNow."""
+    r = _holdout(s, s.ack_hint, lambda r: r.acked)
+    if r is not None:
+        s.ack_hint = r.rank
+    return r
+
+
 def maybe_average(s: State, now: float, out: Out) -> None:
     if s.phase is not Phase.TRAINING or s.rendezvous is not None or s.orphans:
         return  # (no collective while the communicator is being rebuilt)
+    if _blocker(s) is not None:
+        return
     alive = s.alive
-    if not alive or not all(r.acked for r in alive) or not all(_satisfied(r) for r in alive):
+    if not alive:
         return
     if any(r.steps > 0 for r in alive) or s.resync:
         sync(s, now, out)
@@ -225,17 +259,19 @@ def on_sync_ack(s: State, r: RankState, msg: m.SyncAck, now: float, out: Out) ->
 def settle(s: State, now: float, out: Out) -> None:
     """Once every alive rank answered the latest SyncNow: the guard's verdict, the lost work
     of ranks that died in the round, a new communicator after a failed collective."""
-    alive = s.alive
-    if not all(x.acked for x in alive) or s.settled_round >= s.rounds:
-        if s.orphans and all(x.acked for x in alive):
+    all_acked = _unacked(s) is None
+    if not all_acked or s.settled_round >= s.rounds:
+        if s.orphans and all_acked:
             recovery.resolve_orphans(s, now, out)
         return
+    alive = s.alive
     s.settled_at, s.settled_round = now, s.rounds
     s.reduce_ms = (now - (s.sync_sent_at or now)) * 1000.0
     if s.round_ok is False:
         out.append(Record("averaged", {"round": s.rounds, "failed": True}))
     else:
-        movers = [x for x in alive if x.rank in s.round_members]
+        members = set(s.round_members)
+        movers = [x for x in alive if x.rank in members]
         divergences = [x.divergence for x in movers if x.divergence is not None]
         s.pending_verdict = s.guard.observe(divergences)
         out.append(Record("averaged", {"round": s.rounds, "reduce_ms": s.reduce_ms,
