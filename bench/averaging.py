@@ -172,20 +172,28 @@ async def transports(url: str, numel: int, rounds: int) -> dict[str, Any]:
         for frame in encode_frames("p", "float32", (numel,), memoryview(blob),
                                    max_payload=pub.max_payload - 8 * 1024, version=v):
             await pub.publish(f"bench.{job}.frames.{v}", frame)
+        delivered = True
         try:
             # (5x the Object Store's time, at least 10 s: past that the frames are lost)
             await asyncio.wait_for(done, max(10.0, 5 * (t2 - t0)))
         except TimeoutError:
-            lost += 1  # frames dropped on the way (a slow consumer): the contribution is gone
+            # core NATS is at most once: a frame dropped on the way (a slow consumer, a busy
+            # machine) loses the whole contribution. That is the finding, counted, and the
+            # reason the broker backend goes through the Object Store; a lost round's time
+            # is the timeout, not a transfer, so it stays out of the median.
+            lost += 1
+            delivered = False
         t4 = time.perf_counter()
         await sub.unsubscribe()
         if v:
             got["object_put"].append(t1 - t0)
             got["object_get"].append(t2 - t1)
-            got["frames"].append(t4 - t3)
+            if delivered:
+                got["frames"].append(t4 - t3)
     await pub.close()
     await sub_nc.close()
-    return {k: median(x) for k, x in got.items()} | {"frames_lost": lost, "bytes": len(blob)}
+    return ({k: (median(x) if x else None) for k, x in got.items()}
+            | {"frames_lost": lost, "frame_rounds": rounds + 1, "bytes": len(blob)})
 
 
 async def measure(url: str, numel: int, rounds: int) -> dict[str, Any]:
@@ -272,9 +280,11 @@ def main() -> None:
     for r in results:
         t = r["transport"]
         both = t["object_put"] + t["object_get"]
+        frames, ratio = ((f"{t['frames']:>8.3f}", f"{t['frames'] / both:>10.2f}")
+                         if t["frames"] is not None else (f"{'all lost':>8}", f"{'-':>10}"))
         print(f"{r['params'] / 1e6:>7.1f}M {t['bytes'] / 2**20:>7.1f} {t['object_put']:>8.3f} "
-              f"{t['object_get']:>8.3f} {both:>8.3f} {t['frames']:>8.3f} "
-              f"{t['frames'] / both:>10.2f} {t['frames_lost']:>5}")
+              f"{t['object_get']:>8.3f} {both:>8.3f} {frames} {ratio} "
+              f"{t['frames_lost']:>2}/{t['frame_rounds']}")
     path = write_json("averaging", {"world": WORLD, "rounds": rounds, "results": results},
                       args.json)
     print(f"wrote {path}")

@@ -55,7 +55,13 @@ def test_averaging_bench(tmp_path: Path) -> None:
     doc = _bench("averaging", tmp_path, "--quick")
     [result] = doc["results"]  # type: ignore[misc]
     assert set(result) == {"params", "gloo", "f32", "bf16", "transport"}
-    assert result["transport"]["frames_lost"] == 0
+    transport = result["transport"]
+    # core NATS frames are at most once: a loss on a busy machine is the bench's finding,
+    # counted (never more rounds than were sent), and a lost round stays out of the median
+    assert 0 <= transport["frames_lost"] <= transport["frame_rounds"] == 3
+    assert transport["object_put"] > 0 and transport["object_get"] > 0
+    if transport["frames_lost"] == 0:
+        assert transport["frames"] > 0
     assert all(result[k]["s_per_round"] > 0 for k in ("gloo", "f32", "bf16"))
     # bf16 halves the parameters' bytes on every hop (frame headers aside)
     ratio = result["bf16"]["wire_bytes"] / result["f32"]["wire_bytes"]
