@@ -11,7 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from jobs import KEY, chaos_job
+from jobs import KEY, Job, chaos_job
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddpbus.codecs import Encoder
@@ -34,6 +34,14 @@ def scrape(port: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
             labels = tuple(sorted(sample.labels.items()))
             out.setdefault(sample.name, {})[labels] = sample.value
     return out
+
+
+def _scrape_live(port: int, job: Job) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """A scrape while the run must still be on: a closed endpoint fails with the logs."""
+    try:
+        return scrape(port)
+    except OSError as exc:
+        raise AssertionError(f"the endpoint closed mid-run: {exc}\n{job.dump()}") from exc
 
 
 async def forge(url: str) -> None:
@@ -63,7 +71,9 @@ async def forge(url: str) -> None:
 
 
 def test_metrics_during_a_run(broker: EmbeddedBroker, tmp_path: Path) -> None:
-    job, _ = chaos_job(broker.url, tmp_path, "scraped", epochs=8, slowdown=3,
+    # epochs enough that the run outlasts the scrapes on a loaded 2-core machine (CI once
+    # saw an 8-epoch run end, and its endpoint close, before rank 1's fenced count arrived)
+    job, _ = chaos_job(broker.url, tmp_path, "scraped", epochs=20, slowdown=3,
                        coordinator_args=["--metrics-port", "0",
                                          "--report", str(tmp_path / "report")])
     try:
@@ -81,7 +91,7 @@ def test_metrics_during_a_run(broker: EmbeddedBroker, tmp_path: Path) -> None:
             time.sleep(0.1)  # poll interval of a deadline-bound wait
         asyncio.run(forge(broker.url))
         while True:  # until two averages and the forged message are counted
-            got = scrape(port)
+            got = _scrape_live(port, job)
             rounds = sum(got.get("ddpbus_averaging_rounds_total", {}).values())
             refused = got.get("ddpbus_rejections_total", {})
             fenced = got.get("ddpbus_rank_rejections", {})
