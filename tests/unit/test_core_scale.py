@@ -5,11 +5,11 @@ a window). Counted in calls, not timed."""
 from __future__ import annotations
 
 import pytest
-from core_harness import UID, Core
+from core_harness import UID, Core, records, sends
 
 from ddpbus.codecs import messages as m
 from ddpbus.orchestrator import window
-from ddpbus.orchestrator.state import RankState, State, Timing
+from ddpbus.orchestrator.state import Command, Phase, RankState, State, Tick, Timing
 
 
 @pytest.mark.parametrize("world", [64, 512])
@@ -47,3 +47,57 @@ def test_the_gate_examines_a_bounded_number_of_ranks_per_batch(
     # O(1) per batch plus O(world) per window: far below world per batch
     windows = core.state.rounds - rounds_before + 1
     assert examined <= 4 * batches + 2 * world * windows, (examined, batches, windows)
+
+
+def test_a_burst_of_deaths_is_one_membership_change() -> None:
+    """32 of 1,024 ranks die together (a rack): their last heartbeats land up to a beat
+    apart, yet the coordinator declares them in one tick and rebuilds the communicator
+    once, over the 992 survivors."""
+    world, timeout = 1024, 30.0
+    core = Core(world=world, heartbeat_timeout=timeout)
+    for r in range(world):
+        core.join(r, dataset=world * 8 * 40)
+    core.feed(Timing(m.NewNcclIdGenerated(rank=0, uid_bytes=UID)))
+    assert core.state.phase is Phase.TRAINING
+    dead = set(range(100, 1024, 29))  # 32 ranks, spread over the cohort
+    assert len(dead) == 32
+    out: list[Command] = []
+    for t in range(1, 40):  # a heartbeat a second; the dead stop somewhere in second 5
+        for r in range(world):
+            # half the rack beat once more in second 5, just before it died
+            if r not in dead or t < 5 or (t == 5 and r % 2 == 0):
+                core.feed(Timing(m.Heartbeat(rank=r, step_count=0)), at=t + r / world)
+        for k in range(10):  # the shell's ticks, ten a second
+            ticked = core.feed(Tick(), at=t + 1 + k / 10)
+            for ask in sends(ticked, m.RequestNewNcclId):  # the generator answers at once
+                ticked += core.feed(Timing(m.NewNcclIdGenerated(rank=ask.rank or 0,
+                                                                uid_bytes=UID)))
+            out += ticked
+    declared = [s.msg.rank for s in sends(out, m.DeclareDead)]
+    assert sorted(declared) == sorted(dead)
+    assert len(records(out, "rank-dead")) == 32
+    rebuilds = records(out, "session-rebuild")
+    assert len(rebuilds) == 1, rebuilds
+    assert len(rebuilds[0]["members"]) == world - 32
+    assert len(sends(out, m.RequestNewNcclId)) == 1
+    session = [s.msg for s in sends(out, m.NewNcclSession)]  # one session, told each member
+    assert {(x.uid_bytes, x.new_world_size) for x in session} == {(UID, world - 32)}
+    assert sorted(x.new_rank for x in session) == list(range(world - 32))
+    assert {r.rank for r in core.state.alive} == set(range(world)) - dead
+
+
+def test_a_lone_silent_rank_does_not_drag_the_quiet_ones_with_it() -> None:
+    """The suspect margin applies only to ranks that have missed nearly the whole
+    timeout: a rank a few beats late survives its peer's death."""
+    core = Core(world=4, heartbeat_timeout=30.0)
+    core.form()
+    for t in range(1, 40):
+        for r in (1, 2):
+            core.feed(Timing(m.Heartbeat(rank=r, step_count=0)), at=float(t))
+        if t < 25:
+            core.feed(Timing(m.Heartbeat(rank=3, step_count=0)), at=float(t))
+        out = core.feed(Tick(), at=t + 0.5)
+        if sends(out, m.DeclareDead):
+            break
+    assert [s.msg.rank for s in sends(out, m.DeclareDead)] == [0]  # 3 is 6 s quiet: alive
+    assert core.state.ranks[3].alive
