@@ -264,7 +264,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         runners = {"coordinator": commands.run_coordinator,
                    "worker": commands.run_worker, "run": commands.run_local,
                    "sub": commands.run_sub, "status": commands.run_status,
-                   "replay": commands.run_replay, "report": commands.run_report}
+                   "replay": commands.run_replay, "report": commands.run_report,
+                   "simulate": commands.run_simulate}
         if args.command in runners:
             return runners[args.command](args)
         return run_init_job(parser, args)

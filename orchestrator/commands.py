@@ -43,9 +43,11 @@ ENV_VARS: dict[str, dict[str, str]] = {
                "key_file": "DDPBUS_KEY_FILE"},
     "report": {"job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL",
                "key_file": "DDPBUS_KEY_FILE"},
+    "simulate": {"job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL",
+                 "key_file": "DDPBUS_KEY_FILE", "ranks": "DDPBUS_WORLD_SIZE"},
 }
 
-for _command in ("coordinator", "worker", "sub", "status", "replay", "report"):
+for _command in ("coordinator", "worker", "sub", "status", "replay", "report", "simulate"):
     ENV_VARS[_command] |= {f"nats_{field}": var for field, var in NATS_AUTH_ENV.items()}
 
 POLICIES = ("sync", "cadence", "async")
@@ -209,6 +211,7 @@ def add_parsers(sub: Any) -> None:
     _add_status(sub)
     _add_replay(sub)
     _add_report(sub)
+    _add_simulate(sub)
 
 
 def _reader_flags(p: argparse.ArgumentParser) -> None:
@@ -263,6 +266,48 @@ def run_status(args: argparse.Namespace) -> int:
                                    as_json=args.json))
 
 
+def _add_simulate(sub: Any) -> None:
+    sim = sub.add_parser("simulate", help="many simulated ranks, to load a coordinator",
+                         description="Play --ranks ranks of a job in one process: the real "
+                         "protocol (hellos, heartbeats, Batch reports at --rate per second "
+                         "times each rank's speed, MetricsMsg per plan, SyncAck on SyncNow, "
+                         "callback results, Exiting on Shutdown), signed with the job key, "
+                         "without training. Start a coordinator with --world-size equal to "
+                         "--ranks (and a collective backend). Needs an open broker, or a "
+                         "login allowed every rank's subjects.")
+    _reader_flags(sim)
+    sim.add_argument("--ranks", type=_positive_int, help="how many ranks (env "
+                     "DDPBUS_WORLD_SIZE)")
+    sim.add_argument("--rate", type=_positive_float, default=10.0, help="batches per second "
+                     "of a rank of speed 1 (default 10)")
+    sim.add_argument("--speeds", default="equal", help="speed distribution: equal, "
+                     "uniform:LO,HI, lognormal:SIGMA or slow:FRACTION,FACTOR (default equal)")
+    sim.add_argument("--dataset-size", type=_positive_int, help="samples the ranks say they "
+                     "hold (default 1280 per rank)")
+    sim.add_argument("--seed", type=int, default=0, help="seed of the speed draw")
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from ddpbus.orchestrator.simulate import SimulatedCohort, speeds
+
+    key = _reader(args, "simulate")
+    _require(args, [("--ranks", "ranks")], "simulate")
+    factors = speeds(args.speeds, args.ranks, args.seed)
+
+    async def main() -> None:
+        nc = await nats_access(args, OBSERVER).connect(args.job, name=f"ddpbus-simulate-"
+                                                       f"{args.job}")
+        try:
+            cohort = SimulatedCohort(nc, args.job, key, args.ranks, rate=args.rate,
+                                     speed=factors, dataset_size=args.dataset_size or 0)
+            await cohort.run()
+        finally:
+            await nc.close()
+
+    asyncio.run(main())
+    return 0
+
+
 def _add_replay(sub: Any) -> None:
     replay = sub.add_parser("replay", help="a recorded run's timeline, from its stream",
                             description="Tell a job's run from its stream: joins and "
@@ -314,6 +359,16 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
     return value
 
 

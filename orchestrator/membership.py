@@ -206,7 +206,7 @@ SUSPECT_MARGIN_S = 3.0  # three heartbeat periods
 
 def check_liveness(s: State, now: float, out: Out) -> None:
     """Ranks silent past the heartbeat timeout are dead. When one is, every rank silent for
-    all but the last ``SUSPECT_MARGIN_S`` of the timeout (half of it, if shorter) goes in
+    all but the last ``SUSPECT_MARGIN_S`` of the timeout (but at least 3/4 of it) goes in
     the same membership change: ranks that died together (a node, a switch) beat last up to
     a heartbeat period apart, and one rebuild for all of them beats one per tick. A rank
     that has missed that many beats in a row while a peer is gone is not coming back in
@@ -215,7 +215,7 @@ def check_liveness(s: State, now: float, out: Out) -> None:
     alive = s.alive
     if not any(now - r.last_heard > timeout for r in alive):
         return
-    suspect = timeout - min(SUSPECT_MARGIN_S, timeout / 2)
+    suspect = max(timeout - SUSPECT_MARGIN_S, 0.75 * timeout)
     silent = [(r, f"silent for {now - r.last_heard:.1f}s") for r in alive
               if now - r.last_heard > suspect]
     recovery.declare_dead_all(s, silent, now, out)
