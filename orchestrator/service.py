@@ -27,12 +27,14 @@ import os
 import signal
 import socket
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
+import nats
+import numpy
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
@@ -99,6 +101,24 @@ class CoordinatorSettings:
 
 
 EXIT_DEPOSED = 3
+LATENCY_SAMPLES = 200_000
+
+
+def _stored_at(msg: Msg) -> float | None:
+    """A JetStream message's store time (epoch seconds, the broker's clock)."""
+    try:
+        return msg.metadata.timestamp.timestamp()
+    except (ValueError, AttributeError, IndexError, nats.errors.Error):
+        return None
+
+
+def percentiles(samples: deque[float]) -> dict[str, float | int]:
+    """count, p50, p99 and max of ``samples`` (milliseconds), rounded to microseconds."""
+    if not samples:
+        return {"count": 0}
+    p50, p99, top = numpy.percentile(numpy.fromiter(samples, float), [50, 99, 100])
+    return {"count": len(samples), "p50": round(float(p50), 3),
+            "p99": round(float(p99), 3), "max": round(float(top), 3)}
 
 
 class Coordinator:
@@ -122,6 +142,14 @@ class Coordinator:
         self._background: set[asyncio.Task[None]] = set()
         self.metrics: CoordinatorMetrics | None = None  # with --metrics-port
         self._pending: int | None = None  # the coordinator consumer's backlog, last read
+        # milliseconds, the newest LATENCY_SAMPLES of each (bounded for weeks-long runs):
+        # intake = a stream message's store time (the broker's clock) to its handling;
+        # decision = the same start to the publish of the commands it led to
+        self.intake_ms: deque[float] = deque(maxlen=LATENCY_SAMPLES)
+        self.decision_ms: deque[float] = deque(maxlen=LATENCY_SAMPLES)
+        self.started_at = time.time()
+        self._replay_to: int | None = None  # the stream's last sequence at a takeover
+        self.replay_s: float | None = None  # lease taken to caught up with the stream
 
     async def run(self) -> int:
         s = self.settings
@@ -176,7 +204,12 @@ class Coordinator:
                                            "rank_rejections": {str(r): dict(c) for r, c in
                                                                self.rank_rejected.items()},
                                            "snapshots": self.snapshots,
-                                           "resumed_from_seq": self.resumed_from}
+                                           "resumed_from_seq": self.resumed_from,
+                                           "replay_s": self.replay_s,
+                                           "messages_handled": self.reader.delivered,
+                                           "intake_latency_ms": percentiles(self.intake_ms),
+                                           "decision_latency_ms":
+                                               percentiles(self.decision_ms)}
         await bus.retry_while_away(lambda: kv.put(SUMMARY_KEY, json.dumps(summary).encode()))
         if s.summary_path is not None:
             s.summary_path.parent.mkdir(parents=True, exist_ok=True)
@@ -210,6 +243,7 @@ class Coordinator:
                 "waiting for the coordinator lease held by %s", h.holder if h else "?"))
         except LeaseLost as exc:
             raise JobInUse(f"job {s.job!r}: {exc}; pass --standby to wait for it") from None
+        self.started_at = time.time()  # the lease is ours: snapshot load + replay from here
         generation = await bus.next_generation(kv, sj.COORDINATOR)
         self.config = dataclasses.replace(self.config, coordinator_generation=generation)
         if s.events_path is not None:
@@ -227,6 +261,11 @@ class Coordinator:
                          "snapshot", s.resume, s.job)
             self._restore(snap)
             await self._rewind_consumer(js, snap.stream_seq + 1)
+            last = (await js.stream_info(sj.stream_name(s.job))).state.last_seq
+            if last > snap.stream_seq:
+                self._replay_to = last
+            else:
+                self.replay_s = time.time() - self.started_at  # nothing to replay
         return snap
 
     async def _serve(self, nc: Client) -> tuple[Finish, bool] | None:
@@ -380,9 +419,11 @@ class Coordinator:
 
     # ------------------------------------------------------------------ events
 
-    async def apply(self, event: Event, seq: int | None = None) -> None:
+    async def apply(self, event: Event, seq: int | None = None,
+                    stored_at: float | None = None) -> None:
         """Run one event through the core and carry out its commands, in order: the
-        snapshot that covers them is stored before any is published (write-ahead)."""
+        snapshot that covers them is stored before any is published (write-ahead).
+        ``stored_at``: the input's stream time, for the decision latency."""
         async with self._lock:
             while not await self.lease.confirm():
                 # deposed, or the lease cannot be proven (paused? broker away?): decide
@@ -399,6 +440,8 @@ class Coordinator:
                     return
                 for out in outbound:
                     self.publisher.submit(out)
+                if stored_at is not None:
+                    self.decision_ms.append((time.time() - stored_at) * 1000.0)
 
     def _carry_out(self, commands: list[Any]) -> list[Outbound]:
         job = self.settings.job
@@ -453,18 +496,25 @@ class Coordinator:
         return env.message, env.msg_id  # type: ignore[return-value]
 
     async def _on_stream(self, msg: Msg) -> None:
+        stored_at = _stored_at(msg)
+        if stored_at is not None:
+            self.intake_ms.append((time.time() - stored_at) * 1000.0)
         body, msg_id = self._decode(msg)
         seq = self.reader.handled_seq
         if self.metrics is not None and isinstance(body, m.Batch):
             self.metrics.on_batch(body)
         if isinstance(body, m.MetricsMsg):
-            await self.apply(Metrics(body, msg_id), seq)
+            await self.apply(Metrics(body, msg_id), seq, stored_at)
         elif isinstance(body, m.Hello | m.Rejoin):
-            await self.apply(Joined(body, msg_id), seq)
+            await self.apply(Joined(body, msg_id), seq, stored_at)
         elif body is not None:
-            await self.apply(Timing(body, msg_id), seq)  # type: ignore[arg-type]
+            await self.apply(Timing(body, msg_id), seq, stored_at)  # type: ignore[arg-type]
         else:
             self.covered_seq = max(self.covered_seq, seq)
+        if self._replay_to is not None and seq >= self._replay_to:
+            self.replay_s, self._replay_to = time.time() - self.started_at, None
+            log.info("caught up with the stream (sequence %d) %.2fs after taking over", seq,
+                     self.replay_s)
 
     async def _on_live(self, msg: Msg) -> None:
         body, _ = self._decode(msg)  # core NATS, out of stream order: not deduplicated

@@ -292,6 +292,8 @@ def test_a_killed_coordinator_restarted_resumes_from_its_snapshot(
     assert not of(events, "rank-dead")  # nobody was lost while it was away
     summary = recovered(job, ledger, events, {}, [0, 1])
     assert summary["resumed_from_seq"] == resumed["stream_seq"]
+    assert summary["replay_s"] is not None  # it caught up with the stream it was behind
+    assert "caught up with the stream" in job.log("coordinator-2")
     assert "took over" in job.log("rank-0")
 
 

@@ -54,6 +54,12 @@ def test_simulated_ranks_train_a_run_to_its_end(broker: EmbeddedBroker, tmp_path
     # cadence: El Che hands the fast ranks more batches than the slow ones
     assert min(share[r] for r in fast) > max(share[r] for r in slow), share
     assert summary["decode_rejections"] == {}
+    # every stream message's intake was timed, and every decision that published commands
+    assert summary["intake_latency_ms"]["count"] == summary["messages_handled"] > 0
+    decisions = summary["decision_latency_ms"]
+    assert 0 < decisions["count"] < summary["messages_handled"]
+    assert 0 <= decisions["p50"] <= decisions["p99"] <= decisions["max"]
+    assert summary["replay_s"] is None  # a fresh job: nothing was replayed
 
 
 @pytest.mark.parametrize(("spec", "message"), [
