@@ -51,6 +51,7 @@ bench: install
 	$(PY) bench/control_latency.py
 	$(PY) bench/recovery.py
 	$(PY) bench/averaging.py
+	$(PY) bench/scale.py
 
 # the fuzz campaign (issue 8): FUZZ_EXAMPLES mutated payloads per message family and kind
 # through the hypothesis tests, then ATHERIS_RUNS libFuzzer inputs per atheris target; one

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 SIGNATURE: Final = b"\x5a" * m.MODEL_SIGNATURE_BYTES  # one model: every rank the same
 HEARTBEAT_S: Final = 1.0
 TICK_S: Final = 0.005  # the batch clock's resolution
+SEEN_IDS: Final = 200_000  # control Nats-Msg-Ids remembered, for duplicates
 
 
 def speeds(spec: str, n: int, seed: int) -> list[float]:
@@ -124,6 +125,9 @@ class SimulatedCohort:
         self._pending: set[asyncio.Task[None]] = set()
         self._all_exited = asyncio.Event()
         self._rng = random.Random(world)  # noqa: S311 - simulated divergences
+        self._seen: set[str] = set()  # Nats-Msg-Ids of the control messages handled
+        self._order: deque[str] = deque(maxlen=SEEN_IDS)
+        self.duplicates = 0
 
     def _fence(self, sender: str) -> int:
         return self._floor if sender == sj.COORDINATOR else 0
@@ -201,6 +205,16 @@ class SimulatedCohort:
         except DecodeError as exc:
             self.refused[exc.reason] += 1
             return
+        if env.msg_id:
+            # a core subscription sees a re-published command again (a coordinator that
+            # took over re-sends its snapshot's outbox): drop what the stream dropped
+            if env.msg_id in self._seen:
+                self.duplicates += 1
+                return
+            if len(self._order) == self._order.maxlen:
+                self._seen.discard(self._order[0])
+            self._order.append(env.msg_id)
+            self._seen.add(env.msg_id)
         kind = sj.parse_subject(msg.subject, self.job)
         targets = self.ranks if kind.rank is None else (
             [self.ranks[kind.rank]] if kind.rank < self.world else [])

@@ -1,0 +1,230 @@
+"""The control plane at scale: one real coordinator driven by ``ddpbus simulate``.
+
+For each rank count (default 8, 64, 256, 1024) the benchmark runs, on its own nats-server,
+two jobs of simulated ranks (cadence, ``--rate`` Batch reports per second per rank, a
+lognormal speed spread) against a real ``ddpbus coordinator`` process:
+
+- steady: the run from formation to its end. Reported: messages the coordinator handled
+  per second of training; intake latency (a stream message's store time to its handling:
+  the backlog shows here) and decision latency (store time to the publish of the commands
+  it led to), p50/p99 over the run; the coordinator's CPU (% of one core, over the run)
+  and peak RSS; the job stream's bytes per simulated hour (stored bytes over the training
+  time, times 3600: the retention sizing input);
+- replay: the coordinator is SIGKILLed in the middle of training and started again at once;
+  snapshot load + replay = the new process from taking the lease to caught up with the
+  stream (target <= 5 s at 1,024 ranks). Skipped with ``--no-replay``.
+
+The simulator runs on the same machine and takes CPU from the coordinator and the broker
+(its own CPU is reported too); a 2-core box is far from a cluster's control host, so read
+the curve, not the absolute numbers: CPU and RSS should grow linearly (or better) in the
+ranks, latency should stay flat while the coordinator keeps up.
+
+Run: ``python bench/scale.py [--ranks 8 64 256 1024] [--rate 10] [--seconds 20]
+[--no-replay] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _runs import ROOT, SPECS, write_json
+
+from ddpbus.codecs import subjects as sj
+from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
+from ddpbus.orchestrator.bus import connect
+
+CLI = [sys.executable, "-m", "ddpbus.orchestrator.cli", "--log-level", "INFO"]
+KEY = b"scale-bench-job-key-0123456789ab"
+BATCH = 8  # bench/specs/simulated.py's batch size
+EPOCHS = 2
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def _rss_peak_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class Sampler:
+    """CPU seconds and peak RSS of a process, read while it lives (the last read stands)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc, self.cpu_s, self.rss_mb = proc, 0.0, 0.0
+
+    def sample(self) -> None:
+        # it may exit between poll and read: the last sample stands
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                self.cpu_s, self.rss_mb = _cpu_s(self.proc.pid), _rss_peak_mb(self.proc.pid)
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _started(events: list[dict[str, Any]]) -> float | None:
+    return next((float(e["t"]) for e in events if e["event"] == "training-started"), None)
+
+
+async def _stream_bytes(url: str, job: str) -> tuple[int, int]:
+    nc = await connect(url, name="scale-bench")
+    try:
+        state = (await nc.jetstream().stream_info(sj.stream_name(job))).state
+        return int(state.bytes), int(state.messages)
+    finally:
+        await nc.close()
+
+
+def run_job(url: str, tmp: Path, ranks: int, *, rate: float, seconds: float, kill: bool
+            ) -> dict[str, Any]:
+    """One simulated job to its end; with ``kill`` the coordinator is SIGKILLed mid-training
+    and restarted at once."""
+    job = f"scale{ranks}{'r' if kill else 's'}"
+    key_file = tmp / "job.key"
+    key_file.write_bytes(KEY)
+    # samples per rank so that an epoch lasts ``seconds / EPOCHS`` at ``rate``
+    per_rank = max(BATCH, round(rate * seconds / EPOCHS) * BATCH)
+    common = ["--job", job, "--nats", url, "--key-file", str(key_file)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
+    env["SIM_EPOCHS"] = str(EPOCHS)
+    summary, events_file = tmp / f"{job}.summary.json", tmp / f"{job}.events.jsonl"
+    coord_argv = [*CLI, "coordinator", *common, "--world-size", str(ranks), "--backend",
+                  "gloo", "--summary", str(summary), "--events", str(events_file),
+                  f"{SPECS / 'simulated.py'}:spec"]
+    sim_argv = [*CLI, "simulate", *common, "--ranks", str(ranks), "--rate", str(rate),
+                "--speeds", "lognormal:0.2", "--dataset-size", str(per_rank * ranks)]
+    logs = []
+
+    def spawn(name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        log = (tmp / f"{job}.{name}.log").open("wb")
+        logs.append(tmp / f"{job}.{name}.log")
+        try:
+            return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,  # noqa: S603
+                                    cwd=ROOT)
+        finally:
+            log.close()
+
+    coordinator = spawn("coordinator", coord_argv)
+    simulator = spawn("simulate", sim_argv)
+    coord, sim = Sampler(coordinator), Sampler(simulator)
+    killed_at: float | None = None
+    deadline = time.monotonic() + 120 + 6 * seconds + ranks / 10
+    try:
+        while simulator.poll() is None or coordinator.poll() is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{job} did not finish in time\n" + "\n".join(
+                    f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in logs))
+            coord.sample()
+            sim.sample()
+            started = _started(_events(events_file))
+            if kill and killed_at is None and started is not None and (
+                    time.time() - started > seconds / 2):
+                coordinator.send_signal(signal.SIGKILL)
+                coordinator.wait(10)
+                killed_at = time.time()
+                coordinator = spawn("coordinator-2", coord_argv)
+                coord = Sampler(coordinator)
+            if coordinator.poll() not in (None, 0) or simulator.poll() not in (None, 0):
+                raise RuntimeError(f"{job}: a process failed\n" + "\n".join(
+                    f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in logs))
+            time.sleep(0.2)  # the sampling interval
+    finally:
+        for p in (coordinator, simulator):
+            if p.poll() is None:
+                p.kill()
+    done = json.loads(summary.read_text())
+    events = _events(events_file)
+    train_s = done.get("train_s") or (
+        max(float(e["t"]) for e in events) - (_started(events) or 0.0))
+    stored, messages = asyncio.run(_stream_bytes(url, job))
+    return {"summary": done, "train_s": train_s, "coord_cpu_s": coord.cpu_s,
+            "coord_rss_mb": coord.rss_mb, "sim_cpu_s": sim.cpu_s, "stream_bytes": stored,
+            "stream_messages": messages, "killed": killed_at is not None}
+
+
+def measure(ranks: int, *, rate: float, seconds: float, replay: bool) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="ddpbus-scale-") as tmp:
+        store = Path(tmp) / "js"
+        with EmbeddedBroker(BrokerConfig(store_dir=store)) as broker:
+            steady = run_job(broker.url, Path(tmp), ranks, rate=rate, seconds=seconds,
+                             kill=False)
+            again = (run_job(broker.url, Path(tmp), ranks, rate=rate, seconds=seconds,
+                             kill=True) if replay else None)
+    s, train_s = steady["summary"], steady["train_s"]
+    wall_s = s.get("wall_s") or train_s
+    return {
+        "ranks": ranks,
+        "ok": s["ok"],
+        "messages_per_s": round(s["messages_handled"] / max(train_s, 1e-9), 1),
+        "intake_ms": s["intake_latency_ms"],
+        "decision_ms": s["decision_latency_ms"],
+        "coordinator_cpu_pct": round(100 * steady["coord_cpu_s"] / max(wall_s, 1e-9), 1),
+        "coordinator_rss_mb": round(steady["coord_rss_mb"], 1),
+        "simulator_cpu_pct": round(100 * steady["sim_cpu_s"] / max(wall_s, 1e-9), 1),
+        "stream_mb_per_hour": round(steady["stream_bytes"] / max(train_s, 1e-9) * 3600 / 2**20,
+                                    1),
+        "stream_messages": steady["stream_messages"],
+        "rounds": s["rounds"],
+        "train_s": round(train_s, 2),
+        "replay_s": None if again is None else again["summary"].get("replay_s"),
+        "replay_ok": None if again is None else again["summary"]["ok"],
+    }
+
+
+def _fmt(x: Any) -> str:
+    return "-" if x is None else f"{x:.1f}" if isinstance(x, float) else str(x)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 256, 1024])
+    parser.add_argument("--rate", type=float, default=10.0)
+    parser.add_argument("--seconds", type=float, default=20.0,
+                        help="training time per job at the nominal rate")
+    parser.add_argument("--no-replay", action="store_true")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    rows = []
+    for n in args.ranks:
+        row = measure(n, rate=args.rate, seconds=args.seconds, replay=not args.no_replay)
+        rows.append(row)
+        print(f"  {n} ranks: done", file=sys.stderr, flush=True)
+    head = ("ranks", "msgs/s", "intake p50", "intake p99", "decision p50", "decision p99",
+            "coord CPU %", "coord RSS MB", "sim CPU %", "stream MB/h", "replay s")
+    print(" | ".join(head))
+    for r in rows:
+        cells = (r["ranks"], r["messages_per_s"], r["intake_ms"].get("p50"),
+                 r["intake_ms"].get("p99"), r["decision_ms"].get("p50"),
+                 r["decision_ms"].get("p99"), r["coordinator_cpu_pct"],
+                 r["coordinator_rss_mb"], r["simulator_cpu_pct"], r["stream_mb_per_hour"],
+                 r["replay_s"])
+        print(" | ".join(_fmt(c) for c in cells))
+    path = write_json("scale", {"rate": args.rate, "seconds": args.seconds, "rows": rows},
+                      args.json)
+    print(f"JSON: {path}")
+    return 0 if all(r["ok"] and r["replay_ok"] in (None, True) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
