@@ -10,10 +10,14 @@ to no command are simply decided again; inputs that led to a command are covered
 snapshot written before it was published.
 
 Format: ``MAGIC | HMAC-SHA256(job key, body) | body``, body = zlib(JSON). Nothing is ever
-unpickled: the JSON is a tagged tree of plain values, standard containers, enums and
-ddpbus classes (rebuilt field by field, never by calling code named in the data; any
-other class is refused), with shared objects kept shared (an assignment sits in a rank's
-queue, its history and its epoch's pool at once). The signature is checked first.
+unpickled: the JSON is ``{"classes": [[path, [field, ...]], ...], "root": tree}``, a tagged
+tree of plain values, standard containers, enums and ddpbus objects (``{"$o": class index,
+"v": [values in the class's field order]}``, rebuilt field by field, never by calling code
+named in the data; any other class is refused), with shared objects kept shared (an
+assignment sits in a rank's queue, its history and its epoch's pool at once; an object's
+id is the order it is first met in). The signature is checked first. One is written before
+every batch of commands, so its cost is per rank: the class table keeps field names out of
+the per-object nodes (``DDPBUS-SNAP-2`` kept them inline, and is still read).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from ddpbus.codecs.errors import DdpbusError
 from ddpbus.orchestrator.state import State
 
 SNAPSHOT_KEY: Final = "coordinator.snapshot"
-MAGIC: Final = b"DDPBUS-SNAP-2\n"
+MAGIC: Final = b"DDPBUS-SNAP-3\n"
+OLDER: Final = (b"DDPBUS-SNAP-2\n",)  # still read: a coordinator upgraded mid-job resumes
 
 
 class SnapshotError(DdpbusError, ValueError):
@@ -55,26 +60,59 @@ def _path(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def _fields(obj: object) -> list[str]:
+_FIELDS: dict[type, tuple[str, ...]] = {}  # a slotted class's fields, worked out once
+_PLAIN: Final = frozenset({int, float, str, bool, type(None)})  # stored as they are
+
+
+def _fields(obj: object) -> tuple[str, ...]:
+    cls = type(obj)
+    names = _FIELDS.get(cls)
+    if names is not None:
+        return names
     if dataclasses.is_dataclass(obj):
-        return [f.name for f in dataclasses.fields(obj)]
-    names = list(getattr(obj, "__dict__", {}))
-    for klass in type(obj).__mro__:
-        names += [n for n in getattr(klass, "__slots__", ()) if n not in names
-                  and not n.startswith("__") and hasattr(obj, n)]
-    return names
+        found = [f.name for f in dataclasses.fields(obj)]
+    else:
+        found = list(getattr(obj, "__dict__", {}))
+        for klass in cls.__mro__:
+            found += [n for n in getattr(klass, "__slots__", ()) if n not in found
+                      and not n.startswith("__") and hasattr(obj, n)]
+    if not hasattr(obj, "__dict__") and dataclasses.is_dataclass(obj):
+        _FIELDS[cls] = tuple(found)  # a slotted dataclass: every instance has these fields
+    return tuple(found)
 
 
 class _Encoder:
+    """The state as a tree of JSON values. The hot path (a few dozen nodes per rank, on
+    every write-ahead snapshot) dispatches on the exact type and stores plain values inline."""
+
     def __init__(self) -> None:
         self.ids: dict[int, int] = {}
         self.keep: list[object] = []  # ids stay valid while encoding
+        self.classes: dict[type, int] = {}  # class -> its index in the table
+        self.table: list[list[Any]] = []  # [path, [field, ...]] per class
+        self.exact: dict[type, Any] = {  # the containers, by exact type
+            list: lambda x: [v if type(v) in _PLAIN else self(v) for v in x],
+            dict: lambda x: {"$d": [[self(k), self(v)] for k, v in x.items()]},
+            collections.deque: lambda x: {"$q": [self(v) for v in x], "max": x.maxlen},
+            collections.Counter: lambda x: {"$C": [[self(k), v] for k, v in x.items()]},
+            tuple: lambda x: {"$t": [self(v) for v in x]},
+        }
 
     def __call__(self, x: Any) -> Any:
-        if x is None or isinstance(x, bool | str) or type(x) in (int, float):
+        t = type(x)
+        if t in _PLAIN:
             return x
+        exact = self.exact.get(t)
+        if exact is not None:
+            return exact(x)
+        return self._other(x)
+
+    def _other(self, x: Any) -> Any:
+        """Enums, bytes, times, subclasses of the containers, and ddpbus objects."""
         if isinstance(x, enum.Enum):
             return {"$e": _path(type(x)), "v": x.value}
+        if isinstance(x, bool | str | int | float):
+            return x
         if isinstance(x, bytes):
             return {"$b": base64.b64encode(x).decode()}
         if isinstance(x, timedelta):
@@ -98,15 +136,35 @@ class _Encoder:
             raise SnapshotError(f"cannot snapshot a {type(x).__qualname__}")
         if id(x) in self.ids:
             return {"$ref": self.ids[id(x)]}
-        self.ids[id(x)] = ref = len(self.ids)
+        self.ids[id(x)] = len(self.ids)  # ids follow the order objects are met in
         self.keep.append(x)
-        return {"$o": _path(type(x)), "id": ref,
-                "f": {n: self(getattr(x, n)) for n in _fields(x)}}
+        names = _fields(x)
+        cls = type(x)
+        index = self.classes.get(cls)
+        if index is None or self.table[index][1] != list(names):
+            index = self.classes[cls] = len(self.table)
+            self.table.append([_path(cls), list(names)])
+        plain = _PLAIN
+        return {"$o": index, "v": [v if type(v) in plain else self(v)
+                                  for v in map(x.__getattribute__, names)]}
+
+    def document(self, root: Any) -> dict[str, Any]:
+        tree = self(root)
+        return {"classes": self.table, "root": tree}
 
 
 class _Decoder:
-    def __init__(self) -> None:
+    def __init__(self, table: Any = None) -> None:
         self.objects: dict[int, object] = {}
+        self.table: list[tuple[type, list[str]]] = []
+        if table is not None:
+            if not isinstance(table, list):
+                raise SnapshotError("snapshot class table is not a list")
+            for row in table:
+                if (not isinstance(row, list) or len(row) != 2 or not isinstance(row[1], list)
+                        or not all(isinstance(n, str) for n in row[1])):
+                    raise SnapshotError("malformed snapshot class table")
+                self.table.append((_class(row[0]), row[1]))
         self.builders: dict[str, Any] = {
             "$o": self._object,
             "$ref": lambda x: self.objects[int(x["$ref"])],
@@ -131,10 +189,23 @@ class _Decoder:
         raise SnapshotError(f"unknown snapshot node {sorted(x)[:3]}")
 
     def _object(self, x: dict[str, Any]) -> object:
-        cls = _class(x["$o"])
-        obj: object = object.__new__(cls)  # never runs code the data names: fields are set below
-        self.objects[int(x["id"])] = obj
-        for name, value in x["f"].items():
+        index = x["$o"]
+        if isinstance(index, str):  # DDPBUS-SNAP-2: the path and the field names inline
+            obj: object = object.__new__(_class(index))  # never runs code the data names
+            self.objects[int(x["id"])] = obj
+            for name, value in x["f"].items():
+                object.__setattr__(obj, name, self(value))
+            return obj
+        if type(index) is not int or not 0 <= index < len(self.table):
+            raise SnapshotError(f"snapshot object of unknown class {index!r}")
+        cls, names = self.table[index]
+        values = x["v"]
+        if not isinstance(values, list) or len(values) != len(names):
+            raise SnapshotError(f"snapshot {cls.__qualname__} has {len(values)} values for "
+                                f"{len(names)} fields")
+        obj = object.__new__(cls)  # fields are set below: no constructor runs
+        self.objects[len(self.objects)] = obj
+        for name, value in zip(names, values, strict=True):
             object.__setattr__(obj, name, self(value))
         return obj
 
@@ -159,19 +230,28 @@ def _class(path: str) -> type:
 
 
 def encode(snap: Snapshot, key: bytes) -> bytes:
-    text = json.dumps(_Encoder()(snap), separators=(",", ":"))
+    text = json.dumps(_Encoder().document(snap), separators=(",", ":"))
     body = zlib.compress(text.encode(), 3)
     return MAGIC + hmac.new(key, body, hashlib.sha256).digest() + body
 
 
+def _load(magic: bytes, doc: Any) -> Any:
+    if magic != MAGIC:
+        return _Decoder()(doc)  # DDPBUS-SNAP-2: one tree
+    if not isinstance(doc, dict) or set(doc) != {"classes", "root"}:
+        raise SnapshotError("snapshot document is not {classes, root}")
+    return _Decoder(doc["classes"])(doc["root"])
+
+
 def decode(data: bytes, key: bytes) -> Snapshot:
-    if not data.startswith(MAGIC):
+    magic = next((x for x in (MAGIC, *OLDER) if data.startswith(x)), None)
+    if magic is None:
         raise SnapshotError("not a ddpbus coordinator snapshot (or an older format)")
-    tag, body = data[len(MAGIC):len(MAGIC) + 32], data[len(MAGIC) + 32:]
+    tag, body = data[len(magic):len(magic) + 32], data[len(magic) + 32:]
     if not hmac.compare_digest(tag, hmac.new(key, body, hashlib.sha256).digest()):
         raise SnapshotError("snapshot signature does not match the job key")
     try:
-        snap = _Decoder()(json.loads(zlib.decompress(body)))
+        snap = _load(magic, json.loads(zlib.decompress(body)))
     except SnapshotError:
         raise
     except Exception as exc:

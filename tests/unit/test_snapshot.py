@@ -58,16 +58,18 @@ def test_a_flipped_byte_or_another_key_is_refused() -> None:
         snapshot.decode(b"garbage", KEY)
 
 
-def _signed(tree: object) -> bytes:
+def _signed(tree: object, magic: bytes = snapshot.MAGIC) -> bytes:
     body = zlib.compress(json.dumps(tree).encode())
-    return snapshot.MAGIC + hmac.new(KEY, body, hashlib.sha256).digest() + body
+    return magic + hmac.new(KEY, body, hashlib.sha256).digest() + body
 
 
 @pytest.mark.parametrize("path", ["os:system", "builtins:eval", "subprocess:Popen",
                                   "ddpbus.orchestrator.snapshot:_class"])
 def test_a_signed_snapshot_naming_a_foreign_class_builds_nothing(path: str) -> None:
     with pytest.raises(snapshot.SnapshotError, match=r"may not|not a ddpbus class"):
-        snapshot.decode(_signed({"$o": path, "id": 0, "f": {}}), KEY)
+        snapshot.decode(_signed({"classes": [[path, []]], "root": {"$o": 0, "v": []}}), KEY)
+    with pytest.raises(snapshot.SnapshotError, match=r"may not|not a ddpbus class"):
+        snapshot.decode(_signed({"$o": path, "id": 0, "f": {}}, snapshot.OLDER[0]), KEY)
 
 
 def test_shared_objects_stay_shared() -> None:
@@ -81,4 +83,5 @@ def test_shared_objects_stay_shared() -> None:
 def test_the_format_is_not_pickle() -> None:
     data = snapshot.encode(_snap(_ran()), KEY)
     body = zlib.decompress(data[len(snapshot.MAGIC) + 32:])
-    assert json.loads(body)["$o"] == "ddpbus.orchestrator.snapshot:Snapshot"
+    doc = json.loads(body)
+    assert doc["classes"][doc["root"]["$o"]][0] == "ddpbus.orchestrator.snapshot:Snapshot"
