@@ -33,6 +33,16 @@ from ddpbus.orchestrator import bundles, reducer
 
 log = logging.getLogger(__name__)
 
+# nats-server 2.15 caps a stream at 1,000 consumers unless the stream says otherwise; a job
+# has one durable per rank plus the coordinator's, and watchers (`ddpbus sub`, `status`,
+# `replay`, `report`) add short-lived ordered consumers
+SERVER_DEFAULT_CONSUMERS = 1000
+WATCHER_CONSUMERS = 256
+
+
+def max_consumers(world_size: int) -> int:
+    return max(SERVER_DEFAULT_CONSUMERS, world_size + 1 + WATCHER_CONSUMERS)
+
 
 @dataclass(frozen=True, kw_only=True)
 class JobStorage:
@@ -58,8 +68,9 @@ class JobResources:
     consumers: tuple[str, ...]
 
 
-def stream_config(job: str, storage: JobStorage) -> StreamConfig:
+def stream_config(job: str, storage: JobStorage, world_size: int = 1) -> StreamConfig:
     return StreamConfig(
+        max_consumers=max_consumers(world_size),
         name=sj.stream_name(job),
         subjects=sj.stream_subjects(job),
         retention=RetentionPolicy.LIMITS,
@@ -94,8 +105,11 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> StreamIn
     if sorted(info.config.subjects or []) != sorted(config.subjects or []) or (
         info.config.max_age != config.max_age or info.config.max_bytes != config.max_bytes
         or info.config.max_msg_size != config.max_msg_size
+        or (info.config.max_consumers or 0) < (config.max_consumers or 0)
     ):
         log.info("updating stream %s to the current layout", config.name)
+        # never lower a consumer limit another world size raised
+        config.max_consumers = max(config.max_consumers or 0, info.config.max_consumers or 0)
         return await js.update_stream(config)
     return info
 
@@ -111,7 +125,7 @@ async def ensure_job(js: JetStreamContext, job: str, world_size: int,
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
     storage = storage or JobStorage()
-    config = stream_config(job, storage)
+    config = stream_config(job, storage, world_size)
     await _ensure_stream(js, config)
     bucket = sj.kv_bucket(job)
     try:

@@ -36,6 +36,21 @@ async def test_ensure_job_is_idempotent_and_grows(nc: Client) -> None:
     await js.key_value(first.bucket)
 
 
+async def test_a_job_larger_than_the_servers_consumer_default(nc: Client) -> None:
+    """nats-server 2.15 caps a stream at 1,000 consumers unless it says otherwise: a
+    1,100-rank job gets all its durables, and growing it raises the limit, never lowers it."""
+    js = nc.jetstream()
+    small = await ensure_job(js, "wide", 2)
+    assert (await js.stream_info(small.stream)).config.max_consumers == 1000
+    wide = await ensure_job(js, "wide", 1100)
+    assert len(wide.consumers) == 1101
+    info = await js.stream_info(wide.stream)
+    assert info.state.consumer_count == 1101
+    assert info.config.max_consumers == 1100 + 1 + 256
+    await ensure_job(js, "wide", 2)  # a smaller world size again: the limit stays
+    assert (await js.stream_info(wide.stream)).config.max_consumers == 1357
+
+
 async def test_rank_consumer_sees_broadcast_and_own_messages_in_order(nc: Client) -> None:
     js = nc.jetstream()
     res = await ensure_job(js, JOB, 2)
