@@ -149,13 +149,6 @@ class Coordinator:
         self.decision_ms: deque[float] = deque(maxlen=LATENCY_SAMPLES)
         self.started_at = time.time()
         self._replay_to: int | None = None  # the stream's last sequence at a takeover
-        # group commit: commands decided but not yet covered by a stored snapshot, in
-        # order, and the stream times of the inputs that led to them
-        self._decided: list[Outbound] = []
-        self._decided_at: list[float] = []
-        self._commit_wanted = asyncio.Event()
-        self._committed = asyncio.Event()  # set while nothing decided waits for a snapshot
-        self._committed.set()
         self.replay_s: float | None = None  # lease taken to caught up with the stream
 
     async def run(self) -> int:
@@ -288,7 +281,6 @@ class Coordinator:
         tasks = [asyncio.create_task(c, name=n) for c, n in (
             (self.publisher.run(), "publisher"), (reader.run(), "stream-reader"),
             (self._ticker(), "ticker"), (self._beacon(), "coord-heartbeat"),
-            (self._committer(), "committer"),
             (self.lease.renew(), "lease"))]
         metrics_server = None
         if s.metrics_port is not None:
@@ -309,7 +301,6 @@ class Coordinator:
                           "publishing anything more")
                 return None
             done = self.finish.result()
-            await self._drain()
             stored = await self.publisher.flush(30.0)
         finally:
             deposed.cancel()
@@ -430,10 +421,9 @@ class Coordinator:
 
     async def apply(self, event: Event, seq: int | None = None,
                     stored_at: float | None = None) -> None:
-        """Run one event through the core. Its commands are published by the committer,
-        in order, once a snapshot that covers them is stored (write-ahead); meanwhile the
-        next inputs are decided. ``stored_at``: the input's stream time, for the decision
-        latency."""
+        """Run one event through the core and carry out its commands, in order: the
+        snapshot that covers them is stored before any is published (write-ahead).
+        ``stored_at``: the input's stream time, for the decision latency."""
         async with self._lock:
             while not await self.lease.confirm():
                 # deposed, or the lease cannot be proven (paused? broker away?): decide
@@ -446,42 +436,12 @@ class Coordinator:
                 self.covered_seq = seq
             outbound = self._carry_out(commands)
             if outbound:
-                self._decided += outbound
-                if stored_at is not None:
-                    self._decided_at.append(stored_at)
-                self._committed.clear()
-                self._commit_wanted.set()
-
-    async def _committer(self) -> None:
-        """Group commit: one snapshot covers every command decided since the last one.
-
-        The snapshot is encoded at once (no await between taking the batch and encoding:
-        the state is exactly the one that decided it); while its KV write is in flight
-        the core decides the next inputs, whose commands wait for the next snapshot. So a
-        burst of decisions (a thousand ranks' acks) costs a few snapshots, not one each."""
-        while True:
-            await self._commit_wanted.wait()
-            self._commit_wanted.clear()
-            while self._decided:
-                batch, started = self._decided, self._decided_at
-                self._decided, self._decided_at = [], []
-                if not await self._snapshot(batch):
-                    return  # deposed: nothing of it is published
-                for out in batch:
+                if not await self._snapshot(outbound):
+                    return
+                for out in outbound:
                     self.publisher.submit(out)
-                now = time.time()
-                self.decision_ms.extend((now - t) * 1000.0 for t in started)
-            self._committed.set()
-
-    async def _drain(self) -> None:
-        """Until every command decided so far is stored in a snapshot and submitted."""
-        lost = asyncio.ensure_future(self.lease.lost.wait())
-        committed = asyncio.ensure_future(self._committed.wait())
-        try:
-            await asyncio.wait([lost, committed], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            lost.cancel()
-            committed.cancel()
+                if stored_at is not None:
+                    self.decision_ms.append((time.time() - stored_at) * 1000.0)
 
     def _carry_out(self, commands: list[Any]) -> list[Outbound]:
         job = self.settings.job
