@@ -108,7 +108,7 @@ class _Encoder:
         return self._other(x)
 
     def _other(self, x: Any) -> Any:
-        """Enums, bytes, times, subclasses of the containers, and ddpbus objects."""
+        """Enums, bytes, times, sets, subclasses of the containers, and ddpbus objects."""
         if isinstance(x, enum.Enum):
             return {"$e": _path(type(x)), "v": x.value}
         if isinstance(x, bool | str | int | float):
@@ -117,18 +117,12 @@ class _Encoder:
             return {"$b": base64.b64encode(x).decode()}
         if isinstance(x, timedelta):
             return {"$td": x.total_seconds()}
-        if isinstance(x, collections.Counter):
-            return {"$C": [[self(k), v] for k, v in x.items()]}
-        if isinstance(x, collections.deque):
-            return {"$q": [self(v) for v in x], "max": x.maxlen}
-        if isinstance(x, dict):
-            return {"$d": [[self(k), self(v)] for k, v in x.items()]}
-        if isinstance(x, list):
-            return [self(v) for v in x]
-        if isinstance(x, tuple):
-            return {"$t": [self(v) for v in x]}
         if isinstance(x, set | frozenset):
             return {"$s": [self(v) for v in x]}
+        for klass in type(x).__mro__[1:]:  # a container subclass: as its base
+            base = self.exact.get(klass)
+            if base is not None:
+                return base(x)
         return self._object(x)
 
     def _object(self, x: object) -> Any:
