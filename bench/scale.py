@@ -113,7 +113,8 @@ def run_job(url: str, tmp: Path, ranks: int, *, rate: float, seconds: float, kil
                   "gloo", "--summary", str(summary), "--events", str(events_file),
                   f"{SPECS / 'simulated.py'}:spec"]
     sim_argv = [*CLI, "simulate", *common, "--ranks", str(ranks), "--rate", str(rate),
-                "--speeds", "lognormal:0.2", "--dataset-size", str(per_rank * ranks)]
+                "--speeds", "lognormal:0.2", "--intake", "core",  # the lightest client side
+                "--dataset-size", str(per_rank * ranks)]
     logs = []
 
     def spawn(name: str, argv: list[str]) -> subprocess.Popen[bytes]:

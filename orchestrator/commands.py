@@ -75,6 +75,24 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _nonneg_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds >= 0")
+    return value
+
+
+def _byte_limit(text: str) -> int:
+    value = int(text)
+    if value < 1 and value != -1:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive number of bytes, or "
+                                         "-1 for unlimited")
+    return value
+
+
 def _factor(text: str) -> float:
     value = float(text)
     if not value >= 1.0:
@@ -156,6 +174,17 @@ def add_parsers(sub: Any) -> None:
     coord.add_argument("--metrics-port", type=_port_number, help="serve Prometheus metrics on "
                        "http://0.0.0.0:PORT/metrics (0: any free port, logged; env "
                        "DDPBUS_METRICS_PORT; default: off)")
+    keep = coord.add_argument_group("stream retention (subjects.md, Retention)")
+    keep.add_argument("--compact-every", type=_nonneg_seconds, default=None, metavar="SECONDS",
+                      help="purge what no reader needs any more every SECONDS (default 60; "
+                      "0: never, keep the whole history up to the stream's limits)")
+    keep.add_argument("--keep-history", type=_nonneg_seconds, default=None,
+                      metavar="SECONDS", help="what is younger than this always stays, for "
+                      "`ddpbus sub --since`, replay and report (default 1800)")
+    keep.add_argument("--stream-max-bytes", type=_byte_limit, default=None, metavar="BYTES",
+                      help="the stream's backstop limit, oldest dropped first when full (-1: "
+                      "unlimited; default: as the stream has it, unlimited when new); "
+                      "nats-server reserves it against its file store up front")
     coord.add_argument("--resume", metavar="SOURCE", help="start from a resume bundle (env "
                        "DDPBUS_RESUME): a bundle directory (or a --bundle-dir / `ddpbus run` "
                        "directory holding one), or the name of an earlier job on this broker "
@@ -285,6 +314,10 @@ def _add_simulate(sub: Any) -> None:
     sim.add_argument("--dataset-size", type=_positive_int, help="samples the ranks say they "
                      "hold (default 1280 per rank)")
     sim.add_argument("--seed", type=int, default=0, help="seed of the speed draw")
+    sim.add_argument("--intake", choices=("durable", "core"), default="durable",
+                     help="how the ranks read their control subjects: durable (each from "
+                     "its own consumer, acked, as a worker does; default) or core (one "
+                     "core-NATS subscription for all: the lightest, for the largest loads)")
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -299,7 +332,8 @@ def run_simulate(args: argparse.Namespace) -> int:
                                                        f"{args.job}")
         try:
             cohort = SimulatedCohort(nc, args.job, key, args.ranks, rate=args.rate,
-                                     speed=factors, dataset_size=args.dataset_size or 0)
+                                     speed=factors, dataset_size=args.dataset_size or 0,
+                                     intake=args.intake)
             await cohort.run()
         finally:
             await nc.close()
@@ -420,6 +454,7 @@ def load_schedule(args: argparse.Namespace) -> tuple[Any, Schedule]:
 
 
 def run_coordinator(args: argparse.Namespace) -> int:
+    from ddpbus.orchestrator.retention import Retention
     from ddpbus.orchestrator.service import Coordinator, CoordinatorSettings
     from ddpbus.orchestrator.state import CoreConfig
 
@@ -436,11 +471,15 @@ def run_coordinator(args: argparse.Namespace) -> int:
                         has_eval=spec.eval_fn is not None,
                         has_checkpoint_fn=spec.checkpoint_fn is not None,
                         has_epoch_fn=spec.epoch_fn is not None)
+    retention = Retention(
+        every_s=60.0 if args.compact_every is None else args.compact_every,
+        keep_s=1800.0 if args.keep_history is None else args.keep_history)
     settings = CoordinatorSettings(job=args.job, nats=nats_access(args, sj.COORDINATOR), key=key,
                                    summary_path=args.summary, events_path=args.events,
                                    wire_json=args.wire_json, standby=args.standby,
                                    lease_ttl=args.lease_ttl or 5.0, resume=args.resume,
-                                   metrics_port=args.metrics_port, report_dir=args.report)
+                                   metrics_port=args.metrics_port, report_dir=args.report,
+                                   retention=retention, stream_max_bytes=args.stream_max_bytes)
     return asyncio.run(Coordinator(settings, config).run())
 
 

@@ -49,7 +49,10 @@ class JobStorage:
     """Retention and sizing of one job's stream and bucket."""
 
     max_age: timedelta = field(default=timedelta(days=7))
-    max_bytes: int = -1  # unlimited
+    # a backstop for a stream whose compaction cannot run (orchestrator/retention.py);
+    # None: unlimited for a new stream, and an existing stream keeps the limit it has.
+    # nats-server reserves a stream's max_bytes against the server's file store up front
+    max_bytes: int | None = None
     max_msg_size: int = 1024 * 1024
     replicas: int = 1
     ack_wait: timedelta = field(default=timedelta(seconds=10))
@@ -57,6 +60,9 @@ class JobStorage:
     def __post_init__(self) -> None:
         if self.max_age <= timedelta(0):
             raise ConfigError("stream max_age must be positive")
+        if self.max_bytes is not None and self.max_bytes < 1 and self.max_bytes != -1:
+            raise ConfigError(f"stream max_bytes must be positive or -1 (unlimited), got "
+                              f"{self.max_bytes}")
         if self.replicas not in (1, 3, 5):
             raise ConfigError(f"replicas must be 1, 3 or 5, got {self.replicas}")
 
@@ -77,7 +83,7 @@ def stream_config(job: str, storage: JobStorage, world_size: int = 1) -> StreamC
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
         max_age=storage.max_age.total_seconds(),
-        max_bytes=storage.max_bytes,
+        max_bytes=-1 if storage.max_bytes is None else storage.max_bytes,
         max_msg_size=storage.max_msg_size,
         duplicate_window=sj.DUPLICATE_WINDOW.total_seconds(),
         allow_direct=True,
@@ -96,12 +102,15 @@ def consumer_configs(job: str, world_size: int, storage: JobStorage) -> list[Con
     return configs
 
 
-async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig,
+                         storage: JobStorage) -> StreamInfo:
     try:
         info = await js.stream_info(config.name or "")
     except NotFoundError:
         log.info("creating stream %s", config.name)
         return await js.add_stream(config)
+    if storage.max_bytes is None:  # not asked for: keep the job's backstop as it is
+        config.max_bytes = info.config.max_bytes
     if sorted(info.config.subjects or []) != sorted(config.subjects or []) or (
         info.config.max_age != config.max_age or info.config.max_bytes != config.max_bytes
         or info.config.max_msg_size != config.max_msg_size
@@ -126,7 +135,7 @@ async def ensure_job(js: JetStreamContext, job: str, world_size: int,
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
     storage = storage or JobStorage()
     config = stream_config(job, storage, world_size)
-    await _ensure_stream(js, config)
+    await _ensure_stream(js, config, storage)
     bucket = sj.kv_bucket(job)
     try:
         await js.key_value(bucket)

@@ -52,6 +52,7 @@ from ddpbus.orchestrator.core import initial_state, resume, transition
 from ddpbus.orchestrator.lease import Lease, LeaseLost
 from ddpbus.orchestrator.metrics import CoordinatorMetrics
 from ddpbus.orchestrator.provision import JobStorage, consumer_configs, ensure_job
+from ddpbus.orchestrator.retention import Compactor, Retention
 from ddpbus.orchestrator.state import (
     Admit,
     BusRestored,
@@ -98,6 +99,8 @@ class CoordinatorSettings:
     report_dir: Path | None = None  # write the run report (HTML + plots) here at the end
     metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port)
     metrics_host: str = "0.0.0.0"  # noqa: S104 - a pod's port; `ddpbus run` uses loopback
+    retention: Retention = dataclasses.field(default_factory=Retention)  # what may go
+    stream_max_bytes: int | None = None  # the stream's backstop limit (None: leave it)
 
 
 EXIT_DEPOSED = 3
@@ -149,6 +152,13 @@ class Coordinator:
         self.decision_ms: deque[float] = deque(maxlen=LATENCY_SAMPLES)
         self.started_at = time.time()
         self._replay_to: int | None = None  # the stream's last sequence at a takeover
+        # group commit: commands decided but not yet covered by a stored snapshot, in
+        # order, and the stream times of the inputs that led to them
+        self._decided: list[Outbound] = []
+        self._decided_at: list[float] = []
+        self._commit_wanted = asyncio.Event()
+        self._committed = asyncio.Event()  # set while nothing decided waits for a snapshot
+        self._committed.set()
         self.replay_s: float | None = None  # lease taken to caught up with the stream
 
     async def run(self) -> int:
@@ -167,7 +177,8 @@ class Coordinator:
     async def _run(self, nc: Client) -> int:
         s = self.settings
         js = nc.jetstream()
-        await ensure_job(js, s.job, self.config.world_size)
+        await ensure_job(js, s.job, self.config.world_size,
+                         JobStorage(max_bytes=s.stream_max_bytes))
         kv = await js.key_value(sj.kv_bucket(s.job))
         snap = await self._take_over(js, kv)
         if snap is not None and snap.state.phase is Phase.DONE:
@@ -181,6 +192,11 @@ class Coordinator:
         self.decoder = Decoder(job=s.job, key=s.key, generation_floor=self._rank_floor)
         self.nc, self.publisher = nc, bus.Publisher(js)
         self.reducer = reducer.Reducer(js, s.job, nc.max_payload)
+        info = await js.stream_info(sj.stream_name(s.job))
+        self.compactor = Compactor(nc, s.job, s.retention, self._members,
+                                   max_bytes=info.config.max_bytes or -1)
+        if self.resumed_from is not None:
+            self.compactor.stored(self.resumed_from)  # the predecessor's snapshot
         if snap is not None:
             for out in snap.outbox:  # verbatim: JetStream drops those already stored
                 self.publisher.submit(out)
@@ -204,6 +220,7 @@ class Coordinator:
                                            "rank_rejections": {str(r): dict(c) for r, c in
                                                                self.rank_rejected.items()},
                                            "snapshots": self.snapshots,
+                                           "retention": self.compactor.report(),
                                            "resumed_from_seq": self.resumed_from,
                                            "replay_s": self.replay_s,
                                            "messages_handled": self.reader.delivered,
@@ -281,6 +298,7 @@ class Coordinator:
         tasks = [asyncio.create_task(c, name=n) for c, n in (
             (self.publisher.run(), "publisher"), (reader.run(), "stream-reader"),
             (self._ticker(), "ticker"), (self._beacon(), "coord-heartbeat"),
+            (self._committer(), "committer"), (self.compactor.run(), "compactor"),
             (self.lease.renew(), "lease"))]
         metrics_server = None
         if s.metrics_port is not None:
@@ -294,13 +312,19 @@ class Coordinator:
                  s.job, self.config.world_size)
         deposed = asyncio.create_task(self.lease.lost.wait(), name="deposed")
         try:
-            waits: list[asyncio.Future[Any]] = [self.finish, deposed]
+            # the committer ends only when deposed, or failing: then nothing decided from
+            # here on could be published, and the coordinator must not go on
+            committer = next(t for t in tasks if t.get_name() == "committer")
+            waits: list[asyncio.Future[Any]] = [self.finish, deposed, committer]
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if not self.lease.lost.is_set() and not self.finish.done():
+                committer.result()  # its failure, raised here
             if self.lease.lost.is_set():
                 log.error("deposed: another coordinator took the lease; exiting without "
                           "publishing anything more")
                 return None
             done = self.finish.result()
+            await self._drain(committer)
             stored = await self.publisher.flush(30.0)
         finally:
             deposed.cancel()
@@ -397,6 +421,7 @@ class Coordinator:
             self.lease.lost.set()
             return False
         self.snapshots += 1
+        self.compactor.stored(snap.stream_seq)
         return True
 
     async def _store(self, data: bytes) -> int:
@@ -412,6 +437,11 @@ class Coordinator:
                 return int(entry.revision)  # ours: stored before the broker went, ack lost
             raise
 
+    def _members(self) -> set[int]:
+        """The ranks whose ack floors hold control.all back (retention.py)."""
+        return {r.rank for r in self.state.ranks
+                if r.hello is not None and not r.dead and not r.exited}
+
     def _rank_floor(self, sender: str) -> int:
         rank = sj.sender_rank(sender)
         r = self.state.rank(rank) if rank is not None else None
@@ -421,9 +451,10 @@ class Coordinator:
 
     async def apply(self, event: Event, seq: int | None = None,
                     stored_at: float | None = None) -> None:
-        """Run one event through the core and carry out its commands, in order: the
-        snapshot that covers them is stored before any is published (write-ahead).
-        ``stored_at``: the input's stream time, for the decision latency."""
+        """Run one event through the core. Its commands are published by the committer,
+        in order, once a snapshot that covers them is stored (write-ahead); meanwhile the
+        next inputs are decided. ``stored_at``: the input's stream time, for the decision
+        latency."""
         async with self._lock:
             while not await self.lease.confirm():
                 # deposed, or the lease cannot be proven (paused? broker away?): decide
@@ -436,12 +467,46 @@ class Coordinator:
                 self.covered_seq = seq
             outbound = self._carry_out(commands)
             if outbound:
-                if not await self._snapshot(outbound):
-                    return
-                for out in outbound:
-                    self.publisher.submit(out)
+                self._decided += outbound
                 if stored_at is not None:
-                    self.decision_ms.append((time.time() - stored_at) * 1000.0)
+                    self._decided_at.append(stored_at)
+                self._committed.clear()
+                self._commit_wanted.set()
+
+    async def _committer(self) -> None:
+        """Group commit: one snapshot covers every command decided since the last one.
+
+        The snapshot is encoded at once (no await between taking the batch and encoding:
+        the state is exactly the one that decided it); while its KV write is in flight
+        the core decides the next inputs, whose commands wait for the next snapshot. So a
+        burst of decisions (a thousand ranks' acks) costs a few snapshots, not one each."""
+        while True:
+            await self._commit_wanted.wait()
+            self._commit_wanted.clear()
+            while self._decided:
+                batch, started = self._decided, self._decided_at
+                self._decided, self._decided_at = [], []
+                if not await self._snapshot(batch):
+                    return  # deposed: nothing of it is published
+                for out in batch:
+                    self.publisher.submit(out)
+                now = time.time()
+                self.decision_ms.extend((now - t) * 1000.0 for t in started)
+            self._committed.set()
+
+    async def _drain(self, committer: asyncio.Task[None]) -> None:
+        """Until every command decided so far is stored in a snapshot and submitted (or
+        the committer ended: deposed, or failing, raised here)."""
+        lost = asyncio.ensure_future(self.lease.lost.wait())
+        committed = asyncio.ensure_future(self._committed.wait())
+        try:
+            await asyncio.wait([lost, committed, committer],
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            committed.cancel()
+        if committer.done() and not self.lease.lost.is_set():
+            committer.result()
 
     def _carry_out(self, commands: list[Any]) -> list[Outbound]:
         job = self.settings.job

@@ -10,10 +10,13 @@ answers ``SyncNow`` with ``SyncAck``, callbacks with their results, beats on
 ``live.rank.N`` every second, and says ``Exiting`` on ``Shutdown``. Every message is
 encoded, signed and fenced by the codec exactly as a worker's are.
 
-What it leaves out, by design: tensors (no model, no collective: ``divergence`` is a small
-random number), and per-rank durable consumers (the ranks read their control subjects
-through one core-NATS subscription, so 1,024 of them cost one connection). The broker
-backend is not simulated (its snapshots are tensors).
+Each rank reads its control subjects as a worker does, from its own durable consumer
+(``intake="durable"``, the default: in stream order, acked, so the stream's retention sees
+real ack floors), or, for the largest loads, all ranks through one core-NATS subscription
+(``intake="core"``: no per-rank fan-out of ``control.all``, no acks, duplicates dropped by
+``Nats-Msg-Id``). What it leaves out, by design: tensors (no model, no collective:
+``divergence`` is a small random number). The broker backend is not simulated (its
+snapshots are tensors).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import os
 import random
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -47,6 +50,7 @@ SIGNATURE: Final = b"\x5a" * m.MODEL_SIGNATURE_BYTES  # one model: every rank th
 HEARTBEAT_S: Final = 1.0
 TICK_S: Final = 0.005  # the batch clock's resolution
 SEEN_IDS: Final = 200_000  # control Nats-Msg-Ids remembered, for duplicates
+INTAKES: Final = ("durable", "core")
 
 
 def speeds(spec: str, n: int, seed: int) -> list[float]:
@@ -108,9 +112,13 @@ class SimulatedCohort:
 
     def __init__(self, nc: Client, job: str, key: bytes, world: int, *, rate: float = 10.0,
                  speed: list[float] | None = None, dataset_size: int = 0,
-                 join_timeout: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 join_timeout: float = 60.0, intake: str = "durable",
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if world < 1 or rate <= 0:
             raise ConfigError("simulate needs at least one rank and a positive rate")
+        if intake not in INTAKES:
+            raise ConfigError(f"intake must be one of {', '.join(INTAKES)}, got {intake!r}")
+        self.intake = intake
         self.nc, self.js, self.job, self.key = nc, nc.jetstream(), job, key
         self.world, self.clock, self.join_timeout = world, clock, join_timeout
         factors = speed or [1.0] * world
@@ -142,10 +150,18 @@ class SimulatedCohort:
             r.encoder = Encoder(job=self.job, key=self.key, sender=f"rank-{r.rank}",
                                 generation=gen)
         prefix = f"ddpbus.{self.job}"
-        subs = [await self.nc.subscribe(f"{prefix}.control.>", cb=self._on_control,
-                                        pending_msgs_limit=0, pending_bytes_limit=0),
-                await self.nc.subscribe(f"{prefix}.admit.>", cb=self._on_control,
-                                        pending_msgs_limit=0, pending_bytes_limit=0)]
+        subs, readers = [], []
+        if self.intake == "core":
+            subs = [await self.nc.subscribe(f"{prefix}.control.>", cb=self._on_control,
+                                            pending_msgs_limit=0, pending_bytes_limit=0),
+                    await self.nc.subscribe(f"{prefix}.admit.>", cb=self._on_control,
+                                            pending_msgs_limit=0, pending_bytes_limit=0)]
+        else:
+            stream = sj.stream_name(self.job)
+            await self._consumers(stream)
+            readers = [asyncio.create_task(bus.StreamReader(
+                self.nc, stream, sj.rank_consumer(r.rank), self._reader_for(r)).run())
+                for r in self.ranks]
         await self.nc.flush()
         for r, gen in zip(self.ranks, gens, strict=True):
             self._send(r, m.Hello(rank=r.rank, generation=gen, host="simulated",
@@ -161,6 +177,9 @@ class SimulatedCohort:
         finally:
             beats.cancel()
             clock.cancel()
+            for t in readers:
+                t.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
             for s in subs:
                 with contextlib.suppress(Exception):
                     await s.unsubscribe()
@@ -178,6 +197,27 @@ class SimulatedCohort:
                                       f"{sj.kv_bucket(self.job)}; start its coordinator "
                                       "or `ddpbus init-job`") from None
                 await asyncio.sleep(0.2)
+
+    async def _consumers(self, stream: str) -> None:
+        """Wait (``join_timeout``) until the coordinator made every rank's durable."""
+        deadline = self.clock() + self.join_timeout
+        for r in self.ranks:
+            while True:
+                try:
+                    await self.js.consumer_info(stream, sj.rank_consumer(r.rank))
+                    break
+                except NotFoundError:
+                    if self.clock() > deadline:
+                        raise DdpbusError(f"job {self.job!r} has no consumer "
+                                          f"{sj.rank_consumer(r.rank)}; start its "
+                                          "coordinator with a world size of at least "
+                                          f"{self.world}") from None
+                    await asyncio.sleep(0.2)
+
+    def _reader_for(self, r: SimRank) -> Callable[[Msg], Awaitable[None]]:
+        async def handler(msg: Msg) -> None:
+            await self._on_control(msg, only=r)
+        return handler
 
     def _send(self, r: SimRank, msg: m.Message, *, durable: bool = False) -> None:
         """Publish one of ``r``'s messages: a JetStream publish with an ack where a worker
@@ -199,11 +239,18 @@ class SimulatedCohort:
         else:
             await self.nc.publish(out.subject, out.payload, headers=out.headers)
 
-    async def _on_control(self, msg: Msg) -> None:
+    async def _on_control(self, msg: Msg, only: SimRank | None = None) -> None:
+        """One control or admit message: for ``only`` (read from its durable, in stream
+        order, deduplicated by the stream) or, from the core subscription, for every rank
+        it names."""
         try:
             env = self.decoder.decode(msg.subject, msg.headers, msg.data)
         except DecodeError as exc:
             self.refused[exc.reason] += 1
+            return
+        if only is not None:
+            if not only.exited:
+                self.handle(only, env.message)
             return
         if env.msg_id:
             # a core subscription sees a re-published command again (a coordinator that

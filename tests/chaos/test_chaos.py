@@ -33,6 +33,7 @@ from ddpbus.worker_agent.data import epoch_permutation
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
 N_TRAIN, BATCH, SEED, EPOCHS = 1438, 32, 42, 30
+COMPACT_HARD = ["--compact-every", "0.5", "--keep-history", "0"]
 REPEAT = range(int(os.environ.get("DDPBUS_CHAOS_REPEAT", "1")))
 # recovery scenarios run on the collective path; the full run repeats them on the broker
 # backend (no communicator: a death or a restart never rebuilds one)
@@ -191,9 +192,11 @@ def test_sigkill_one_of_three_the_survivors_finish(broker: EmbeddedBroker, tmp_p
 def test_a_killed_worker_restarted_grows_back(broker: EmbeddedBroker, tmp_path: Path,
                                               attempt: int, backend: str) -> None:
     # rank 0 is slowed down (simulated) so that the run outlasts a process start
+    # on a stream compacted every half second with no history kept (subjects.md,
+    # Retention): the reborn rank resumes from its durable's ack floor all the same
     job, ledger = run_job(broker, tmp_path, 2, f"grow-{backend}-{attempt}",
                           worker_args={0: ["--slowdown", "6"]},
-                          coordinator_args=["--backend", backend])
+                          coordinator_args=["--backend", backend, *COMPACT_HARD])
     wait_for("rank 1 to train 4 epochs", lambda: trained_epochs(ledger, 1) >= 4)
     victim = job.procs["rank-1"]
     victim.send_signal(signal.SIGKILL)
@@ -213,7 +216,8 @@ def test_a_killed_worker_restarted_grows_back(broker: EmbeddedBroker, tmp_path: 
         assert len(of(events, "session-formed")) == 1  # nothing to rebuild
     assert any(pid == reborn.pid for _, _, pid in lines(ledger, 1)), "it never trained again"
     assert "rejoin sent" in job.log("rank-1b")
-    recovered(job, ledger, events, {1: victim.pid}, [0, 1])
+    summary = recovered(job, ledger, events, {1: victim.pid}, [0, 1])
+    assert {"telemetry", "rank", "broadcast"} <= set(summary["retention"]["purged"])
 
 
 @pytest.mark.parametrize("attempt", REPEAT)
@@ -276,9 +280,10 @@ def test_a_stopped_worker_is_fenced_when_it_wakes(broker: EmbeddedBroker, tmp_pa
 @pytest.mark.parametrize("attempt", REPEAT)
 def test_a_killed_coordinator_restarted_resumes_from_its_snapshot(
         broker: EmbeddedBroker, tmp_path: Path, attempt: int, backend: str) -> None:
+    # the telemetry below its snapshot is purged by then (compacted every half second)
     job, ledger = run_job(broker, tmp_path, 2, f"coord-{backend}-{attempt}",
                           worker_args={0: ["--slowdown", "3"], 1: ["--slowdown", "3"]},
-                          coordinator_args=["--backend", backend])
+                          coordinator_args=["--backend", backend, *COMPACT_HARD])
     wait_for("rank 0 to train 4 epochs", lambda: trained_epochs(ledger, 0) >= 4)
     first = job.procs["coordinator"]
     first.send_signal(signal.SIGKILL)
@@ -292,6 +297,7 @@ def test_a_killed_coordinator_restarted_resumes_from_its_snapshot(
     assert not of(events, "rank-dead")  # nobody was lost while it was away
     summary = recovered(job, ledger, events, {}, [0, 1])
     assert summary["resumed_from_seq"] == resumed["stream_seq"]
+    assert summary["retention"]["purged"].get("telemetry", 0) > 0
     assert summary["replay_s"] is not None  # it caught up with the stream it was behind
     assert "caught up with the stream" in job.log("coordinator-2")
     assert "took over" in job.log("rank-0")

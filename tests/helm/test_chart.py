@@ -52,6 +52,9 @@ VALUE_SETS: dict[str, list[str]] = {
     "bundle-volume": ["worker.bundleClaim=bundles-rwx", "training.resume=old-job"],
     "wire-json": ["training.wireJson=true"],
     "broker-backend": ["training.backend=broker", "worker.gpu.enabled=false"],
+    "retention": ["coordinator.retention.compactEvery=30",
+                  "coordinator.retention.keepHistory=0",
+                  "coordinator.retention.streamMaxBytes=68719476736"],
 }
 
 
@@ -90,6 +93,10 @@ def test_lint_render_and_validate(helm: Path, name: str) -> None:
     c = container(coord)
     assert c["command"] == ["ddpbus"]
     assert c["args"][:2] == ["coordinator", "--standby"]
+    retention = "coordinator.retention.keepHistory=0" in sets
+    assert ("--keep-history=0" if retention else "--keep-history=1800") in c["args"]
+    assert ("--compact-every=30" if retention else "--compact-every=60") in c["args"]
+    assert ("--stream-max-bytes=68719476736" in c["args"]) is retention
     json_wire = "training.wireJson=true" in sets
     assert ("--wire-json" in c["args"]) is json_wire
     assert ("--wire-json" in w["args"]) is json_wire
@@ -146,6 +153,9 @@ def _pods(doc: dict[str, Any]) -> list[dict[str, Any]]:
     (["nats.tls.enabled=true", "nats.tls.secretName=t", "nats.tls.clientSecretName=c"],
      "nats.tls.clientSecretName is for mutual TLS"),
     (["nats.tls.ca=x"], "'ca' not allowed"),
+    (["coordinator.retention.compactEvery=-1"], "at '/coordinator/retention/compactEvery'"),
+    (["coordinator.retention.streamMaxBytes=lots"],
+     "at '/coordinator/retention/streamMaxBytes'"),
 ])
 def test_bad_values_are_refused(helm: Path, sets: list[str], message: str) -> None:
     out = run(helm, "template", "train", str(CHART), *[x for s in sets for x in ("--set", s)])

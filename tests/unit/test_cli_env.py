@@ -52,3 +52,23 @@ def test_bad_nats_login_flags_are_refused_before_anything_connects(
     assert out.returncode == 2, out.stderr
     assert message.replace("MISSING", files["MISSING"]) in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(("flag", "text", "message"), [
+    ("--compact-every", "-1", "must be a number of seconds >= 0"),
+    ("--compact-every", "soon", "is not a number of seconds"),
+    ("--keep-history", "inf", "must be a number of seconds >= 0"),
+    ("--stream-max-bytes", "0", "or -1 for unlimited"),
+])
+def test_bad_retention_flags_say_why(capsys: pytest.CaptureFixture[str], flag: str,
+                                     text: str, message: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["coordinator", flag, text])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_retention_flags_parse() -> None:
+    args = build_parser().parse_args(["coordinator", "--compact-every", "0",
+                                      "--keep-history", "90", "--stream-max-bytes", "-1"])
+    assert (args.compact_every, args.keep_history, args.stream_max_bytes) == (0.0, 90.0, -1)

@@ -98,10 +98,22 @@ def test_events_after_done_are_refused() -> None:
     core.feed(Stop())
     core.exiting(0)
     core.exiting(1)
-    for event in (Tick(), Stop(), Timing(m.Heartbeat(rank=0, step_count=0))):
+    for event in (Stop(), Timing(m.Batch(rank=0, batch_ms=1.0, data_ms=0.0, step_count=1))):
         out = core.feed(event)
         assert refusals(out) == ["run-over"]
         assert len(out) == 1
+
+
+def test_ticks_and_last_heartbeats_after_done_are_not_refusals() -> None:
+    """The shell's ticker and a rank's last heartbeats outlive the end by a moment."""
+    core = formed()
+    core.feed(Stop())
+    core.exiting(0)
+    core.exiting(1)
+    before = dict(core.state.refusals)
+    for event in (Tick(), Timing(m.Heartbeat(rank=0, step_count=0))):
+        assert core.feed(event) == []
+    assert dict(core.state.refusals) == before
 
 
 # -------------------------------------------------------------- determinism
