@@ -150,12 +150,15 @@ class Coordinator:
         # decision = the same start to the publish of the commands it led to
         self.intake_ms: deque[float] = deque(maxlen=LATENCY_SAMPLES)
         self.decision_ms: deque[float] = deque(maxlen=LATENCY_SAMPLES)
+        # the same, for inputs decided while training (not the admission burst at the start,
+        # when every rank's Hello waits behind the coordinator's own start)
+        self.training_decision_ms: deque[float] = deque(maxlen=LATENCY_SAMPLES)
         self.started_at = time.time()
         self._replay_to: int | None = None  # the stream's last sequence at a takeover
         # group commit: commands decided but not yet covered by a stored snapshot, in
         # order, and the stream times of the inputs that led to them
         self._decided: list[Outbound] = []
-        self._decided_at: list[float] = []
+        self._decided_at: list[tuple[float, bool]] = []  # (stored at, while training)
         self._commit_wanted = asyncio.Event()
         self._committed = asyncio.Event()  # set while nothing decided waits for a snapshot
         self._committed.set()
@@ -226,7 +229,9 @@ class Coordinator:
                                            "messages_handled": self.reader.delivered,
                                            "intake_latency_ms": percentiles(self.intake_ms),
                                            "decision_latency_ms":
-                                               percentiles(self.decision_ms)}
+                                               percentiles(self.decision_ms),
+                                           "training_decision_latency_ms":
+                                               percentiles(self.training_decision_ms)}
         await bus.retry_while_away(lambda: kv.put(SUMMARY_KEY, json.dumps(summary).encode()))
         if s.summary_path is not None:
             s.summary_path.parent.mkdir(parents=True, exist_ok=True)
@@ -469,7 +474,7 @@ class Coordinator:
             if outbound:
                 self._decided += outbound
                 if stored_at is not None:
-                    self._decided_at.append(stored_at)
+                    self._decided_at.append((stored_at, self.state.phase is Phase.TRAINING))
                 self._committed.clear()
                 self._commit_wanted.set()
 
@@ -491,7 +496,10 @@ class Coordinator:
                 for out in batch:
                     self.publisher.submit(out)
                 now = time.time()
-                self.decision_ms.extend((now - t) * 1000.0 for t in started)
+                for t, training in started:
+                    self.decision_ms.append((now - t) * 1000.0)
+                    if training:
+                        self.training_decision_ms.append((now - t) * 1000.0)
             self._committed.set()
 
     async def _drain(self, committer: asyncio.Task[None]) -> None:

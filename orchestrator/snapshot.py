@@ -88,7 +88,7 @@ class _Encoder:
     def __init__(self) -> None:
         self.ids: dict[int, int] = {}
         self.keep: list[object] = []  # ids stay valid while encoding
-        self.classes: dict[type, int] = {}  # class -> its index in the table
+        self.classes: dict[type, tuple[int, tuple[str, ...]]] = {}  # fixed-field classes
         self.table: list[list[Any]] = []  # [path, [field, ...]] per class
         self.exact: dict[type, Any] = {  # the containers, by exact type
             list: lambda x: [v if type(v) in _PLAIN else self(v) for v in x],
@@ -108,36 +108,52 @@ class _Encoder:
         return self._other(x)
 
     def _other(self, x: Any) -> Any:
-        """Enums, bytes, times, sets, subclasses of the containers, and ddpbus objects."""
-        if isinstance(x, enum.Enum):
-            return {"$e": _path(type(x)), "v": x.value}
-        if isinstance(x, bool | str | int | float):
-            return x
-        if isinstance(x, bytes):
-            return {"$b": base64.b64encode(x).decode()}
-        if isinstance(x, timedelta):
-            return {"$td": x.total_seconds()}
-        if isinstance(x, set | frozenset):
-            return {"$s": [self(v) for v in x]}
-        for klass in type(x).__mro__[1:]:  # a container subclass: as its base
+        """Enums, bytes, times, sets, subclasses of the containers, and ddpbus objects: the
+        first of each type works out its encoder, which the exact table keeps from then on
+        (a snapshot meets the same few types thousands of times)."""
+        t = type(x)
+        how = self._how(t)
+        self.exact[t] = how
+        return how(x)
+
+    def _how(self, t: type) -> Any:
+        if issubclass(t, enum.Enum):
+            path = _path(t)
+            return lambda x: {"$e": path, "v": x.value}
+        if issubclass(t, bool | str | int | float):
+            return lambda x: x
+        if issubclass(t, bytes):
+            return lambda x: {"$b": base64.b64encode(x).decode()}
+        if issubclass(t, timedelta):
+            return lambda x: {"$td": x.total_seconds()}
+        if issubclass(t, set | frozenset):
+            return lambda x: {"$s": [self(v) for v in x]}
+        for klass in t.__mro__[1:]:  # a container subclass: as its base
             base = self.exact.get(klass)
             if base is not None:
-                return base(x)
-        return self._object(x)
+                return base
+        if not t.__module__.startswith("ddpbus."):
+            raise SnapshotError(f"cannot snapshot a {t.__qualname__}")
+        return self._object
 
     def _object(self, x: object) -> Any:
-        if not type(x).__module__.startswith("ddpbus."):
-            raise SnapshotError(f"cannot snapshot a {type(x).__qualname__}")
         if id(x) in self.ids:
             return {"$ref": self.ids[id(x)]}
         self.ids[id(x)] = len(self.ids)  # ids follow the order objects are met in
         self.keep.append(x)
-        names = _fields(x)
         cls = type(x)
-        index = self.classes.get(cls)
-        if index is None or self.table[index][1] != list(names):
-            index = self.classes[cls] = len(self.table)
-            self.table.append([_path(cls), list(names)])
+        fixed = self.classes.get(cls)  # a slotted dataclass: its index, once per snapshot
+        if fixed is not None:
+            index, names = fixed
+        else:
+            names = _fields(x)
+            index = next((i for i, (path, known) in enumerate(self.table)
+                          if known == list(names) and path == _path(cls)), None)
+            if index is None:
+                index = len(self.table)
+                self.table.append([_path(cls), list(names)])
+            if cls in _FIELDS:  # every instance has these fields
+                self.classes[cls] = (index, names)
         plain = _PLAIN
         return {"$o": index, "v": [v if type(v) in plain else self(v)
                                   for v in map(x.__getattribute__, names)]}
