@@ -147,11 +147,12 @@ class _Encoder:
             index, names = fixed
         else:
             names = _fields(x)
-            index = next((i for i, (path, known) in enumerate(self.table)
-                          if known == list(names) and path == _path(cls)), None)
-            if index is None:
-                index = len(self.table)
-                self.table.append([_path(cls), list(names)])
+            row = [_path(cls), list(names)]
+            found = next((i for i, known in enumerate(self.table) if known == row), None)
+            if found is None:
+                found = len(self.table)
+                self.table.append(row)
+            index = found
             if cls in _FIELDS:  # every instance has these fields
                 self.classes[cls] = (index, names)
         plain = _PLAIN
