@@ -75,8 +75,17 @@ class CoordinatorMetrics:
                                      "(bad-signature, stale-generation, ...), by reason, as "
                                      "its heartbeat reports them (since it started)",
                                      ("rank", "reason"))
+        self.stream_bytes = gauge("ddpbus_stream_bytes", "bytes the job stream holds, after "
+                                  "the last compaction pass")
+        self.stream_messages = gauge("ddpbus_stream_messages", "messages the job stream "
+                                     "holds, after the last compaction pass")
+        self.purged = Counter("ddpbus_stream_purged_messages", "messages compaction removed "
+                              "from the job stream, by subject class (telemetry, rank, "
+                              "broadcast; subjects.md, Retention)", ("job", "class"),
+                              registry=r)
         self.job = job
         self._seen_refusals: dict[str, int] = {}
+        self._seen_purged: dict[str, int] = {}
         for series in (self.rounds, self.failed_rounds, self.average_seconds, self.deaths,
                        self.rejoins):
             series.labels(job)  # present (at 0) from the first scrape
@@ -111,6 +120,18 @@ class CoordinatorMetrics:
             if grew > 0:
                 self.rejections.labels(self.job, reason).inc(grew)
                 self._seen_refusals[reason] = total
+
+    def on_retention(self, report: Mapping[str, Any]) -> None:
+        """The compactor's report (retention.Compactor.report): totals, counted by growth."""
+        if not report.get("passes"):
+            return
+        self.stream_bytes.labels(self.job).set(report["stream_bytes"])
+        self.stream_messages.labels(self.job).set(report["stream_msgs"])
+        for kind, total in report["purged"].items():
+            grew = total - self._seen_purged.get(kind, 0)
+            if grew > 0:
+                self.purged.labels(self.job, kind).inc(grew)
+                self._seen_purged[kind] = total
 
     def on_rank_rejections(self, rank: int, counts: Mapping[str, int]) -> None:
         for reason, total in counts.items():

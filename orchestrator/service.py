@@ -607,6 +607,7 @@ class Coordinator:
                 self.metrics.refresh(self.state, batch_size=self.config.schedule.batch_size,
                                      pending=self._pending)
                 self.metrics.on_rejections(self.rejected + self.state.refusals)
+                self.metrics.on_retention(self.compactor.report())
 
     async def _watch_lag(self, nc: Client) -> None:
         """The coordinator consumer's backlog, for the metrics (every 2 s)."""

@@ -70,12 +70,26 @@ async def forge(url: str) -> None:
     await nc.close()
 
 
+def _two_ranks_training(got: dict[str, dict[tuple[tuple[str, str], ...], float]],
+                        job_label: tuple[str, str]) -> None:
+    for rank in ("0", "1"):
+        labels = (job_label, ("rank", rank))
+        assert got["ddpbus_rank_samples_per_second"][labels] > 0
+        assert got["ddpbus_rank_batch_ms"][labels] > 0
+        assert got["ddpbus_rank_data_ms"][labels] >= 0
+        assert got["ddpbus_rank_alive"][labels] == 1
+        assert got["ddpbus_rank_generation"][labels] == 1
+        assert got["ddpbus_rank_batch_count"][labels] >= 1
+        assert labels in got["ddpbus_rank_loss"]
+
+
 def test_metrics_during_a_run(broker: EmbeddedBroker, tmp_path: Path) -> None:
     # epochs enough that the run outlasts the scrapes on a loaded 2-core machine (CI once
     # saw an 8-epoch run end, and its endpoint close, before rank 1's fenced count arrived)
     job, _ = chaos_job(broker.url, tmp_path, "scraped", epochs=20, slowdown=3,
                        coordinator_args=["--metrics-port", "0",
-                                         "--report", str(tmp_path / "report")])
+                                         "--report", str(tmp_path / "report"),
+                                         "--compact-every", "0.5", "--keep-history", "0"])
     try:
         deadline = time.monotonic() + 120
         while (found := SERVING.search(job.log("coordinator"))) is None:
@@ -95,26 +109,24 @@ def test_metrics_during_a_run(broker: EmbeddedBroker, tmp_path: Path) -> None:
             rounds = sum(got.get("ddpbus_averaging_rounds_total", {}).values())
             refused = got.get("ddpbus_rejections_total", {})
             fenced = got.get("ddpbus_rank_rejections", {})
-            if (rounds >= 2 and len(refused) >= 2 and fenced
+            purged = got.get("ddpbus_stream_purged_messages_total", {})
+            telemetry = purged.get((("class", "telemetry"), ("job", "scraped")), 0)
+            if (rounds >= 2 and len(refused) >= 2 and fenced and telemetry > 0
                     and len(got.get("ddpbus_rank_batch_ms", {})) == 2):
                 break
             assert time.monotonic() < deadline, got
             time.sleep(0.1)  # poll interval of a deadline-bound wait
         job_label = ("job", "scraped")
-        for rank in ("0", "1"):
-            labels = (job_label, ("rank", rank))
-            assert got["ddpbus_rank_samples_per_second"][labels] > 0
-            assert got["ddpbus_rank_batch_ms"][labels] > 0
-            assert got["ddpbus_rank_data_ms"][labels] >= 0
-            assert got["ddpbus_rank_alive"][labels] == 1
-            assert got["ddpbus_rank_generation"][labels] == 1
-            assert got["ddpbus_rank_batch_count"][labels] >= 1
-            assert labels in got["ddpbus_rank_loss"]
+        _two_ranks_training(got, job_label)
         assert got["ddpbus_anchor"][(job_label,)] >= 1
         assert got["ddpbus_global_step"][(job_label,)] > 0
         assert got["ddpbus_alive_ranks"][(job_label,)] == 2
         assert got["ddpbus_average_duration_seconds_count"][(job_label,)] >= 1
         assert (job_label,) in got["ddpbus_jetstream_pending_messages"]
+        # compaction, every half second: the stream's size after a pass, what went by class
+        assert got["ddpbus_stream_messages"][(job_label,)] >= 0
+        assert got["ddpbus_stream_bytes"][(job_label,)] >= 0
+        assert telemetry > 0
         assert refused[(job_label, ("reason", "bad-signature"))] == 2  # wrong key, none
         assert refused[(job_label, ("reason", "stale-generation"))] == 1
         # rank 1 refused the deposed coordinator's Shutdown, and its heartbeat said so
