@@ -120,7 +120,7 @@ class Compactor:
     def __init__(self, nc: Client, job: str, retention: Retention,
                  members: Callable[[], set[int]], *, max_bytes: int = -1,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.nc, self.job, self.retention = nc, job, retention
+        self.nc, self.js, self.job, self.retention = nc, nc.jetstream(), job, retention
         self.stream = sj.stream_name(job)
         self.members, self.max_bytes, self.clock = members, max_bytes, clock
         self._history: deque[tuple[float, int]] = deque()
@@ -157,7 +157,7 @@ class Compactor:
             await asyncio.sleep(self.retention.every_s)
             try:
                 await self.compact()
-            except (nats.errors.Error, TimeoutError, OSError, ValueError, KeyError) as exc:
+            except (nats.errors.Error, TimeoutError, OSError, ValueError) as exc:
                 # the broker away, a slow answer: the next pass purges what this one did not
                 self.failed += 1
                 log.warning("stream compaction pass failed (%s: %s); retrying in %.0fs",
@@ -176,40 +176,34 @@ class Compactor:
         await self._measure(floors, members)
         return purges
 
-    async def _api(self, subject: str, body: dict[str, Any]) -> dict[str, Any]:
-        reply = await self.nc.request(subject, json.dumps(body).encode(), timeout=5.0)
-        answer: dict[str, Any] = json.loads(reply.data)
-        if "error" in answer:
-            err = answer["error"]
-            raise ValueError(f"{subject}: {err.get('description', err)}")
-        return answer
-
     async def _floors(self) -> dict[int, int]:
+        """rank -> its durable's ack floor, from the server's consumer list (paged)."""
         floors: dict[int, int] = {}
         offset = 0
         while True:
-            page = await self._api(f"$JS.API.CONSUMER.LIST.{self.stream}", {"offset": offset})
-            consumers = page.get("consumers") or []
-            for c in consumers:
-                name = (c.get("config") or {}).get("durable_name") or c.get("name", "")
-                rank = sj.sender_rank(name)
+            page = await self.js.consumers_info(self.stream, offset=offset or None)
+            for c in page:
+                rank = sj.sender_rank(c.name or "")
                 if rank is not None:
-                    floors[rank] = int((c.get("ack_floor") or {}).get("stream_seq", 0))
-            offset += len(consumers)
-            if not consumers or offset >= int(page.get("total", 0)):
+                    floors[rank] = (c.ack_floor.stream_seq or 0) if c.ack_floor else 0
+            offset += len(page)
+            if len(page) < PAGE:
                 return floors
 
     async def _purge(self, p: Purge) -> None:
-        answer = await self._api(f"$JS.API.STREAM.PURGE.{self.stream}",
-                                 {"filter": p.subject, "seq": p.below})
+        # a raw request: nats-py's purge_stream answers only True, not how many went
+        reply = await self.nc.request(f"$JS.API.STREAM.PURGE.{self.stream}", json.dumps(
+            {"filter": p.subject, "seq": p.below}).encode(), timeout=5.0)
+        answer = json.loads(reply.data)
+        if "error" in answer:
+            raise ValueError(f"purge of {p.subject}: "
+                             f"{answer['error'].get('description', answer['error'])}")
         self._done[p.subject] = p.below
         self.purged[p.kind] += int(answer.get("purged", 0))
 
     async def _measure(self, floors: dict[int, int], members: set[int]) -> None:
-        info = await self._api(f"$JS.API.STREAM.INFO.{self.stream}", {})
-        state = info.get("state") or {}
-        self.stream_bytes, self.stream_msgs = int(state.get("bytes", 0)), int(
-            state.get("messages", 0))
+        state = (await self.js.stream_info(self.stream)).state
+        self.stream_bytes, self.stream_msgs = state.bytes, state.messages
         self.peak_msgs = max(self.peak_msgs, self.stream_msgs)
         self.peak_bytes = max(self.peak_bytes, self.stream_bytes)
         if self.max_bytes > 0 and self.stream_bytes > WARN_FRACTION * self.max_bytes:

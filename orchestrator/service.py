@@ -196,7 +196,7 @@ class Coordinator:
         self.nc, self.publisher = nc, bus.Publisher(js)
         self.reducer = reducer.Reducer(js, s.job, nc.max_payload)
         info = await js.stream_info(sj.stream_name(s.job))
-        self.compactor = Compactor(nc, s.job, s.retention, self._members,
+        self.compactor = Compactor(nc, s.job, s.retention, lambda: self.state.members,
                                    max_bytes=info.config.max_bytes or -1)
         if self.resumed_from is not None:
             self.compactor.stored(self.resumed_from)  # the predecessor's snapshot
@@ -441,11 +441,6 @@ class Coordinator:
             if entry.value == data and entry.revision is not None:
                 return int(entry.revision)  # ours: stored before the broker went, ack lost
             raise
-
-    def _members(self) -> set[int]:
-        """The ranks whose ack floors hold control.all back (retention.py)."""
-        return {r.rank for r in self.state.ranks
-                if r.hello is not None and not r.dead and not r.exited}
 
     def _rank_floor(self, sender: str) -> int:
         rank = sj.sender_rank(sender)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import logging
 import os
@@ -31,7 +32,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeVar
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -45,6 +46,7 @@ from ddpbus.codecs.errors import ConfigError, DdpbusError, DecodeError
 from ddpbus.orchestrator import bus
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SIGNATURE: Final = b"\x5a" * m.MODEL_SIGNATURE_BYTES  # one model: every rank the same
 HEARTBEAT_S: Final = 1.0
@@ -184,35 +186,30 @@ class SimulatedCohort:
                 with contextlib.suppress(Exception):
                     await s.unsubscribe()
 
-    async def _bucket(self) -> KeyValue:
-        """The job's KV bucket, polled for until ``join_timeout`` seconds: like a worker,
-        the cohort may start before its coordinator has made the job's bucket."""
+    async def _made(self, what: str, probe: Callable[[], Awaitable[T]]) -> T:
+        """``probe()`` once the coordinator has made what it reads, polled for until
+        ``join_timeout`` seconds: like a worker, the cohort may start before its coordinator
+        has made the job's resources."""
         deadline = self.clock() + self.join_timeout
         while True:
             try:
-                return await self.js.key_value(sj.kv_bucket(self.job))
+                return await probe()
             except (BucketNotFoundError, NotFoundError):
                 if self.clock() > deadline:
-                    raise DdpbusError(f"job {self.job!r} has no KV bucket "
-                                      f"{sj.kv_bucket(self.job)}; start its coordinator "
-                                      "or `ddpbus init-job`") from None
-                await asyncio.sleep(0.2)
+                    raise DdpbusError(f"job {self.job!r} has no {what}; start its "
+                                      "coordinator (with a world size of at least "
+                                      f"{self.world}) or `ddpbus init-job`") from None
+                await asyncio.sleep(0.2)  # poll interval of a deadline-bound wait
+
+    async def _bucket(self) -> KeyValue:
+        return await self._made(f"KV bucket {sj.kv_bucket(self.job)}",
+                                lambda: self.js.key_value(sj.kv_bucket(self.job)))
 
     async def _consumers(self, stream: str) -> None:
-        """Wait (``join_timeout``) until the coordinator made every rank's durable."""
-        deadline = self.clock() + self.join_timeout
         for r in self.ranks:
-            while True:
-                try:
-                    await self.js.consumer_info(stream, sj.rank_consumer(r.rank))
-                    break
-                except NotFoundError:
-                    if self.clock() > deadline:
-                        raise DdpbusError(f"job {self.job!r} has no consumer "
-                                          f"{sj.rank_consumer(r.rank)}; start its "
-                                          "coordinator with a world size of at least "
-                                          f"{self.world}") from None
-                    await asyncio.sleep(0.2)
+            name = sj.rank_consumer(r.rank)
+            await self._made(f"consumer {name}", functools.partial(
+                self.js.consumer_info, stream, name))
 
     def _reader_for(self, r: SimRank) -> Callable[[Msg], Awaitable[None]]:
         async def handler(msg: Msg) -> None:

@@ -360,5 +360,12 @@ class State:
     def alive(self) -> list[RankState]:
         return [r for r in self.ranks if r.alive]
 
+    @property
+    def members(self) -> set[int]:
+        """Ranks that said Hello and are neither dead nor exited: admitted or being
+        admitted. What they have not read of ``control.all`` stays (retention.py)."""
+        return {r.rank for r in self.ranks if r.hello is not None and not r.dead
+                and not r.exited}
+
     def rank(self, index: int) -> RankState | None:
         return self.ranks[index] if 0 <= index < len(self.ranks) else None

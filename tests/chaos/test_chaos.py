@@ -15,14 +15,14 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from faults import FAULTS, loops, scenario_rng
-from jobs import Job, spec, start_job
+from jobs import Job, spec, start_job, wait_for
 from safetensors.torch import load_file
 
 from ddpbus.orchestrator import bundles
@@ -39,14 +39,6 @@ REPEAT = range(int(os.environ.get("DDPBUS_CHAOS_REPEAT", "1")))
 # backend (no communicator: a death or a restart never rebuilds one)
 BACKENDS = ["gloo", *([pytest.param("broker", marks=pytest.mark.slow)]
                       if os.environ.get("DDPBUS_CHAOS_FULL") == "1" else [])]
-
-
-def wait_for(what: str, cond: Callable[[], bool], timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)  # poll interval of a deadline-bound wait
 
 
 def lines(ledger: Path, rank: int) -> list[tuple[int, int, int]]:

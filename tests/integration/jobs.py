@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,15 @@ ROOT = Path(__file__).resolve().parents[2]
 SPECS = Path(__file__).resolve().parent / "specs"
 CLI = [sys.executable, "-m", "ddpbus.orchestrator.cli"]
 KEY = b"integration-test-job-key-0123456789"
+
+
+def wait_for(what: str, cond: Callable[[], bool], timeout: float = 90.0) -> None:
+    """Until ``cond()``, polled every 50 ms; fails naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)  # poll interval of a deadline-bound wait
 
 
 def spec(name: str) -> str:

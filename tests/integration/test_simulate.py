@@ -8,12 +8,10 @@ import contextlib
 import os
 import signal
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from jobs import KEY, ROOT, Job
+from jobs import KEY, ROOT, Job, wait_for
 
 from ddpbus.codecs import subjects as sj
 from ddpbus.orchestrator.broker import EmbeddedBroker
@@ -93,7 +91,7 @@ def test_speed_distributions() -> None:
 
 
 class StreamSampler:
-    """The job stream's size, sampled every 0.2 s from a thread of its own."""
+    """The job stream's size, sampled every 0.2 s from a thread of its own until stopped."""
 
     def __init__(self, url: str, job: str) -> None:
         self.url, self.stream = url, sj.stream_name(job)
@@ -105,11 +103,13 @@ class StreamSampler:
         nc = await connect(self.url, name="stream-sampler")
         js = nc.jetstream()
         try:
-            while not self._stop.is_set():
+            while True:
                 with contextlib.suppress(Exception):  # not created yet
                     st = (await js.stream_info(self.stream)).state
                     self.samples.append((st.messages, st.bytes, st.first_seq, st.last_seq))
-                await asyncio.sleep(0.2)
+                # the sampling interval, cut short by the stop
+                if await asyncio.to_thread(self._stop.wait, 0.2):
+                    return
         finally:
             await nc.close()
 
@@ -120,13 +120,6 @@ class StreamSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(10)
-
-
-def _wait_for(what: str, cond: Callable[[], bool], timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)  # poll interval of a deadline-bound wait
 
 
 def test_a_long_run_stays_inside_its_limits_and_a_restarted_coordinator_resumes(
@@ -144,8 +137,8 @@ def test_a_long_run_stays_inside_its_limits_and_a_restarted_coordinator_resumes(
                                  "--stream-max-bytes", str(max_bytes)))
         try:
             # well into the run, after compaction has purged: first_seq moved on
-            _wait_for("the stream to be compacted", lambda: bool(sampler.samples) and (
-                sampler.samples[-1][2] > 2000))
+            wait_for("the stream to be compacted", lambda: bool(sampler.samples) and (
+                sampler.samples[-1][2] > 2000), timeout=120)
             first = job.procs.pop("coordinator")
             first.send_signal(signal.SIGKILL)
             first.wait(10)
