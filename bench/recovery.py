@@ -2,7 +2,7 @@
 undisturbed run of the same job.
 
 Each round runs four jobs one after the other (real `ddpbus coordinator` / `ddpbus worker`
-processes on the benchmark's own nats-server, gloo, the chaos test spec: digits for 30
+processes on the benchmark's own nats-server, gloo, the chaos test spec: digits for 48
 epochs, 3 workers slowed 3x, heartbeat timeout 2 s), so the four are measured side by side
 under the same machine load:
 
@@ -43,7 +43,7 @@ from jobs import Job, spec, start_job  # the tests' real-process job runner
 
 from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
 
-HEARTBEAT_S, EPOCHS, KILL_AFTER = 2.0, 30, 4
+HEARTBEAT_S, EPOCHS, KILL_AFTER = 2.0, 48, 4
 TARGETS = {"kill_to_training_s": HEARTBEAT_S + 2.0, "restart_to_average_s": 10.0,
            "coordinator_kill_to_decision_s": 5.0}
 DECISIONS = {"average", "epoch-boundary", "epoch-aggregated", "session-requested",

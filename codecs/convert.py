@@ -17,8 +17,9 @@ Protocol rules kept from flodl:
 
 from __future__ import annotations
 
+import itertools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -238,6 +239,52 @@ def _lr_update_to_wire(x: m.LrUpdate) -> pb.TimingMsg:
 
 def _lr_update_from_wire(w: Any) -> m.LrUpdate:
     return m.LrUpdate(rank=w.rank, lr=w.lr)
+
+
+def _reports_to_wire(x: m.Reports) -> pb.TimingMsg:
+    _check_reports(x.rank, x.items, encoding=True)
+    wire = _T()
+    r = wire.reports
+    r.rank = x.rank
+    for item in x.items:
+        slot = r.items.add()
+        if isinstance(item, m.Batch):
+            slot.batch.CopyFrom(_batch_to_wire(item).batch)
+        else:
+            slot.lr_update.rank, slot.lr_update.lr = item.rank, item.lr
+    return wire
+
+
+def _reports_from_wire(w: Any) -> m.Reports:
+    items: list[m.Batch | m.LrUpdate] = []
+    for slot in w.items:
+        kind = slot.WhichOneof("variant")
+        if kind == "batch":
+            items.append(_batch_from_wire(slot.batch))
+        elif kind == "lr_update":
+            items.append(_lr_update_from_wire(slot.lr_update))
+        else:
+            raise InvalidField("Reports: an item holds no Batch or LrUpdate",
+                               msg_type="TimingMsg.Reports")
+    _check_reports(w.rank, items, encoding=False)
+    return m.Reports(rank=w.rank, items=tuple(items))
+
+
+def _check_reports(rank: int, items: Sequence[m.Batch | m.LrUpdate], *,
+                   encoding: bool) -> None:
+    """1..MAX_REPORT_ITEMS items, every one ``rank``'s, Batch step counts strictly rising."""
+    problem = ""
+    if not 1 <= len(items) <= m.MAX_REPORT_ITEMS:
+        problem = f"{len(items)} items, expected 1 to {m.MAX_REPORT_ITEMS}"
+    elif any(x.rank != rank for x in items):
+        problem = f"an item of another rank than {rank}"
+    else:
+        steps = [x.step_count for x in items if isinstance(x, m.Batch)]
+        if any(b <= a for a, b in itertools.pairwise(steps)):
+            problem = "Batch step counts do not strictly rise"
+    if problem:
+        text = f"TimingMsg.Reports: {problem}"
+        raise EncodeError(text) if encoding else InvalidField(text, msg_type="TimingMsg.Reports")
 
 
 MAX_REJECTION_REASONS = 64
@@ -686,6 +733,7 @@ def run_config_to_wire(x: m.RunConfig) -> pb.RunConfig:
         collective_timeout_s=x.collective_timeout_s,
         easgd_alpha=x.easgd_alpha,
         bf16_wire=x.bf16_wire,
+        report_interval_ms=x.report_interval_ms,
     )
 
 
@@ -697,10 +745,11 @@ def run_config_from_wire(w: pb.RunConfig) -> m.RunConfig:
                            "pair", msg_type="RunConfig")
     if (w.batch_size < 1 or not w.coordinator_timeout_s > 0
             or not 0 <= w.collective_timeout_s < float("inf")
-            or not 0 <= w.easgd_alpha <= 1):
+            or not 0 <= w.easgd_alpha <= 1
+            or not 0 <= w.report_interval_ms < float("inf")):
         raise InvalidField("RunConfig needs batch_size >= 1, coordinator_timeout_s > 0, "
-                           "a finite collective_timeout_s >= 0 and easgd_alpha in [0, 1]",
-                           msg_type="RunConfig")
+                           "a finite collective_timeout_s >= 0, easgd_alpha in [0, 1] and "
+                           "a finite report_interval_ms >= 0", msg_type="RunConfig")
     return m.RunConfig(
         policy=policy,
         backend=backend,
@@ -716,6 +765,7 @@ def run_config_from_wire(w: pb.RunConfig) -> m.RunConfig:
         collective_timeout_s=w.collective_timeout_s,
         easgd_alpha=w.easgd_alpha or 1.0,
         bf16_wire=w.bf16_wire,
+        report_interval_ms=w.report_interval_ms,
     )
 
 
@@ -786,6 +836,7 @@ VARIANTS: Final[tuple[Variant, ...]] = (
     _v(_T, "checkpoint_result", m.CheckpointResult, _checkpoint_result_to_wire,
        _checkpoint_result_from_wire),
     _v(_T, "epoch_fn_elapsed", m.EpochFnElapsed, _epoch_fn_to_wire, _epoch_fn_from_wire),
+    _v(_T, "reports", m.Reports, _reports_to_wire, _reports_from_wire),
     _v(_C, "request_params", m.RequestParams, _request_params_to_wire,
        _request_params_from_wire),
     _v(_C, "update", m.Update, _update_to_wire, _update_from_wire),

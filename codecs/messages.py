@@ -12,7 +12,7 @@ import dataclasses
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 _C = TypeVar("_C")
 
@@ -290,6 +290,30 @@ class EpochFnElapsed:
     elapsed_ms: float
 
 
+MAX_REPORT_ITEMS: Final = 256
+"""A Reports carries at most this many items (a rank flushes at this count)."""
+
+
+@_fast_init
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reports:
+    """Several consecutive per-batch reports of ``rank`` in one message, in the order the
+    rank made them: what a rank sends instead of the single Batch / LrUpdate messages when
+    its batches come faster than the run's report interval."""
+
+    rank: int
+    items: tuple[Batch | LrUpdate, ...]
+
+
+def batches(msg: Message) -> tuple[Batch, ...]:
+    """The Batch reports a message carries: itself, a Reports' Batch items, or none."""
+    if isinstance(msg, Batch):
+        return (msg,)
+    if isinstance(msg, Reports):
+        return tuple(x for x in msg.items if isinstance(x, Batch))
+    return ()
+
+
 TimingMsg = (
     Batch
     | SyncAck
@@ -302,6 +326,7 @@ TimingMsg = (
     | EvalResult
     | CheckpointResult
     | EpochFnElapsed
+    | Reports
 )
 
 
@@ -547,6 +572,7 @@ class RunConfig:
     collective_timeout_s: float = 0.0  # 0: torch.distributed's default
     easgd_alpha: float = 1.0  # broker backend: W += alpha * (consensus - snapshot)
     bf16_wire: bool = False  # broker backend: tensors travel as bfloat16
+    report_interval_ms: float = 0.0  # coalesce Batch/LrUpdate reports (0: each alone)
 
 
 @_fast_init

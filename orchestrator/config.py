@@ -25,6 +25,9 @@ Backend = m.Backend
 
 DEFAULT_ANCHOR: Final = 10
 """Batches of the slowest rank per averaging window (cadence/async); sync uses 1."""
+AUTO_REPORT_INTERVAL_MS: Final = 100.0
+"""The auto report interval of cohorts up to a hundred ranks (1 ms per rank beyond)."""
+MAX_REPORT_INTERVAL: Final = timedelta(seconds=10)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +74,9 @@ class Schedule:
     bundle_every: int = 1  # epochs between resume bundles; 0 = only with checkpoints
     callback_rank: int | None = None  # None: the fastest rank (sticky)
     param_norm_every: int = 10  # Batch.param_norm every N local steps; 0 = never
+    # telemetry: a rank sends its per-batch reports at most this often, coalesced into one
+    # Reports (the window-closing Batch goes at once); 0 = every report alone; None: auto
+    report_interval: timedelta | None = None
 
     @property
     def is_sync(self) -> bool:
@@ -109,7 +115,15 @@ class Schedule:
             return self.max_overshoot
         return min(5, max(2, epoch_batches // 100))
 
-    def run_config(self, dataset_size: int) -> m.RunConfig:
+    def report_interval_ms(self, world_size: int) -> float:
+        """Auto: 100 ms, and 1 ms per rank beyond a hundred ranks, so the coordinator takes
+        at most ~1,000 report messages a second from the whole cohort (plus the
+        heartbeats) however large it grows and however short the batches are."""
+        if self.report_interval is not None:
+            return self.report_interval.total_seconds() * 1000.0
+        return max(AUTO_REPORT_INTERVAL_MS, float(world_size))
+
+    def run_config(self, dataset_size: int, world_size: int) -> m.RunConfig:
         """What every rank adopts on Accept."""
         return m.RunConfig(
             policy=self.policy, backend=self.backend, batch_size=self.batch_size,
@@ -120,6 +134,7 @@ class Schedule:
             progressive=self.effective_progressive,
             collective_timeout_s=self.effective_collective_timeout.total_seconds(),
             easgd_alpha=self.effective_easgd_alpha, bf16_wire=self.bf16_wire,
+            report_interval_ms=self.report_interval_ms(world_size),
         )
 
     @property
@@ -237,6 +252,7 @@ _PARSERS: Final[dict[str, Callable[[Any], Any]]] = {
     "bundle_every": _int,
     "callback_rank": _optional(_int),
     "param_norm_every": _int,
+    "report_interval": _optional(_seconds),
 }
 
 KNOBS: Final = tuple(_PARSERS)
@@ -282,6 +298,8 @@ def _check(s: Schedule) -> None:
         (s.bundle_every >= 0, "bundle_every must be >= 0"),
         (s.callback_rank is None or s.callback_rank >= 0, "callback_rank must be >= 0"),
         (s.param_norm_every >= 0, "param_norm_every must be >= 0"),
+        (s.report_interval is None or timedelta(0) <= s.report_interval <= MAX_REPORT_INTERVAL,
+         "report_interval must be in [0, 10] seconds (0 sends every batch report alone)"),
     ]
     for ok, text in rules:
         if not ok:

@@ -223,9 +223,8 @@ def _timing(state: State, msg: m.TimingMsg, now: float, out: list[Command]) -> N
         out.append(Refuse("exited-rank", f"{type(msg).__name__} from rank {r.rank} after "
                           "its Exiting"))
         return
-    if isinstance(msg, m.Batch):
-        window.on_batch(state, r, msg, now, out)
-        window.maybe_average(state, now, out)
+    if isinstance(msg, m.Batch | m.Reports):
+        window.on_reports(state, r, msg, now, out)
     elif isinstance(msg, m.SyncAck):
         window.on_sync_ack(state, r, msg, now, out)
         window.maybe_average(state, now, out)

@@ -106,7 +106,7 @@ def _admit(s: State, r: RankState, hello: m.Hello, now: float, out: Out) -> None
         s.backend = _CAPABLE[hello.backend] if wanted is m.Backend.AUTO else wanted
     r.hello, r.alive, r.last_heard = hello, True, now
     backend = s.backend or m.Backend.GLOO
-    run = s.schedule.run_config(s.dataset_size)
+    run = s.schedule.run_config(s.dataset_size, s.config.world_size)
     s.run = dataclasses.replace(run, backend=backend)
     accept(s, hello, out)
     out.append(Record("rank-admitted", {"rank": hello.rank, "generation": hello.generation,
@@ -119,7 +119,7 @@ def _admit(s: State, r: RankState, hello: m.Hello, now: float, out: Out) -> None
 
 def accept(s: State, hello: m.Hello, out: Out) -> None:
     """Accept ``hello``'s incarnation with the run's settings (first join or rejoin)."""
-    run = s.run if s.run is not None else s.schedule.run_config(s.dataset_size)
+    run = s.run if s.run is not None else s.schedule.run_config(s.dataset_size, s.config.world_size)
     out.append(Admit(m.Accept(rank=hello.rank, generation=hello.generation,
                               world_size=s.config.world_size,
                               coordinator_generation=s.config.coordinator_generation,

@@ -65,11 +65,12 @@ class RunMonitor:
         self.observe(env.message, time.monotonic())
 
     def observe(self, body: Any, now: float) -> None:
-        if isinstance(body, m.Batch) and body.rank < len(self.ranks):
+        if isinstance(body, m.Batch | m.Reports) and body.rank < len(self.ranks):
             view = self.ranks[body.rank]
-            view.batches += 1
-            view.loss = body.batch_loss if body.batch_loss is not None else view.loss
-            view.stamps.append(now)
+            for batch in m.batches(body):
+                view.batches += 1
+                view.loss = batch.batch_loss if batch.batch_loss is not None else view.loss
+                view.stamps.append(now)
         elif isinstance(body, m.Accept):
             self.run = body.run
         elif isinstance(body, m.StartEpoch):

@@ -54,8 +54,8 @@ class Series:
             return  # a re-published copy
         self.seen.add(env.msg_id)
         t, msg = self.t(when), env.message
-        if isinstance(msg, m.Batch):
-            self.batches[msg.rank].append(t)
+        if isinstance(msg, m.Batch | m.Reports):
+            self.batches[msg.rank] += [t] * len(m.batches(msg))
         elif isinstance(msg, m.SetGlobalStep) and msg.step_budget:
             self.windows.append((t, msg.step_budget))
         elif isinstance(msg, m.SyncNow):

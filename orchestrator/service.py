@@ -569,8 +569,10 @@ class Coordinator:
             self.intake_ms.append((time.time() - stored_at) * 1000.0)
         body, msg_id = self._decode(msg)
         seq = self.reader.handled_seq
-        if self.metrics is not None and isinstance(body, m.Batch):
-            self.metrics.on_batch(body)
+        if self.metrics is not None and isinstance(body, m.Batch | m.Reports):
+            latest = m.batches(body)
+            if latest:  # the gauges show a rank's latest batch
+                self.metrics.on_batch(latest[-1])
         if isinstance(body, m.MetricsMsg):
             await self.apply(Metrics(body, msg_id), seq, stored_at)
         elif isinstance(body, m.Hello | m.Rejoin):

@@ -102,6 +102,8 @@ class SimRank:
     plans: deque[_Plan] = field(default_factory=deque)
     exited: bool = False
     scheduled: bool = False  # on the batch clock
+    reports: list[m.Batch] = field(default_factory=list)  # Batch reports not yet sent
+    reports_since: float = 0.0  # when the first of them was made
 
     def can_train(self) -> bool:
         return (not self.exited and self.sessions > 0 and self.open and not self.throttled
@@ -218,7 +220,30 @@ class SimulatedCohort:
 
     def _send(self, r: SimRank, msg: m.Message, *, durable: bool = False) -> None:
         """Publish one of ``r``'s messages: a JetStream publish with an ack where a worker
-        waits for one (``durable``), else a plain publish (the stream still stores it)."""
+        waits for one (``durable``), else a plain publish (the stream still stores it).
+        Batch reports held back for coalescing go first, as a worker sends them."""
+        if not isinstance(msg, m.Heartbeat):  # (core NATS, outside the stream's order)
+            self._flush_reports(r)
+        self._emit(r, msg, durable=durable)
+
+    def _report(self, r: SimRank, batch: m.Batch, now: float, *, closing: bool) -> None:
+        """A Batch report, coalesced like a worker's: held while reports come faster than
+        the run's report interval, the window-closing one flushes them with an ack."""
+        if not r.reports:
+            r.reports_since = now
+        r.reports.append(batch)
+        interval = r.run.report_interval_ms / 1000.0 if r.run is not None else 0.0
+        if closing or now - r.reports_since >= interval or len(r.reports) >= m.MAX_REPORT_ITEMS:
+            self._flush_reports(r, durable=closing)
+
+    def _flush_reports(self, r: SimRank, *, durable: bool = False) -> None:
+        items, r.reports = r.reports, []
+        if len(items) == 1:
+            self._emit(r, items[0], durable=durable)
+        elif items:
+            self._emit(r, m.Reports(rank=r.rank, items=tuple(items)), durable=durable)
+
+    def _emit(self, r: SimRank, msg: m.Message, *, durable: bool) -> None:
         if r.encoder is None:
             raise ConfigError(f"simulated rank {r.rank} sends before it has a generation")
         spec = (sj.LIVE_RANK if isinstance(msg, m.Heartbeat) else
@@ -338,9 +363,9 @@ class SimulatedCohort:
         r.window_steps += 1
         finished = plan.done >= plan.size
         closing = r.window_steps >= r.budget or (finished and len(r.plans) == 1)
-        self._send(r, m.Batch(rank=r.rank, batch_ms=1000.0 / r.rate, data_ms=0.0,
-                              step_count=r.step, batch_loss=1.0 / (1.0 + 0.01 * r.step)),
-                   durable=closing)
+        self._report(r, m.Batch(rank=r.rank, batch_ms=1000.0 / r.rate, data_ms=0.0,
+                                step_count=r.step, batch_loss=1.0 / (1.0 + 0.01 * r.step)),
+                     now, closing=closing)
         if finished:
             r.plans.popleft()
             batch = r.run.batch_size if r.run is not None else 1
@@ -362,6 +387,8 @@ class SimulatedCohort:
                     if r.can_train():
                         r.scheduled = True  # keep the rank's own pace, not the clock's
                         heapq.heappush(self._due, (max(due + 1.0 / r.rate, now), rank))
+                    else:  # idle now: nothing of its stays behind
+                        self._flush_reports(r)
             await asyncio.sleep(TICK_S)
 
     async def _beat(self) -> None:

@@ -61,6 +61,18 @@ def on_batch(s: State, r: RankState, msg: m.Batch, now: float, out: Out) -> None
         rounds.maybe_throttle(s, out)
 
 
+def on_reports(s: State, r: RankState, msg: m.Batch | m.Reports, now: float, out: Out
+               ) -> None:
+    """A Batch, or coalesced per-batch reports: each item does exactly what it would do
+    arriving alone (a Batch is booked and may open the gate, an LrUpdate is noted)."""
+    for item in (msg,) if isinstance(msg, m.Batch) else msg.items:
+        if isinstance(item, m.Batch):
+            on_batch(s, r, item, now, out)
+            maybe_average(s, now, out)
+        else:
+            r.lr = item.lr
+
+
 def _credit(s: State, r: RankState, batches: int, now: float) -> None:
     """``batches`` more trained by ``r``, in plan order."""
     for _ in range(batches):

@@ -7,7 +7,9 @@ NATS side never waits for a batch or a collective. Rules it keeps:
 - it trains only inside an open window: SetGlobalStep opens one with a per-rank step
   budget, SyncNow closes it; it never takes more steps than the budget;
 - it trains exactly the samples of each plan (StartEpoch / ExtendPartition), batch by batch,
-  and reports a Batch after every batch and a MetricsMsg after every plan;
+  and reports a Batch after every batch and a MetricsMsg after every plan; per-batch reports
+  (Batch, LrUpdate) that come faster than the run's report interval travel together as one
+  Reports, and the Batch that closes a window ends one at once (the gate waits on it);
 - its data clock stops while a callback runs (callback time is never read as slowness).
 """
 
@@ -133,6 +135,8 @@ class Trainer(threading.Thread):
         super().__init__(name=f"ddpbus-trainer-{settings.rank}", daemon=True)
         self.spec, self.settings, self._outbox = spec, settings, outbox
         self._held: list[tuple[m.Message, bool]] = []
+        self._reports: list[m.Batch | m.LrUpdate] = []  # per-batch reports not yet sent
+        self._reports_since = 0.0  # when the first of them was made
         self.rank = settings.rank
         self.inbox: queue.SimpleQueue[m.ControlMsg | Halt | Consensus] = queue.SimpleQueue()
         self.device = settings.device
@@ -222,8 +226,33 @@ class Trainer(threading.Thread):
         self.global_step = self.ctx.global_step = int(manifest.meta.get("global_step", 0))
 
     def outbox(self, msg: m.Message, *, durable: bool = True) -> None:
-        """Queue a report; :meth:`release` hands the queue to the agent in order."""
+        """Queue a report, after the per-batch reports made before it (the stream keeps
+        the order they were made in); :meth:`release` hands the queue to the agent."""
+        self.flush_reports()
         self._held.append((msg, durable))
+
+    def _report(self, items: list[m.Batch | m.LrUpdate], now: float, *, closing: bool) -> None:
+        """Per-batch reports: held while they come faster than the run's report interval,
+        then queued as one Reports; a window-closing Batch flushes them at once, stored
+        with an ack (the coordinator's gate waits on it)."""
+        if not self._reports:
+            self._reports_since = now
+        self._reports += items
+        interval = self._run().report_interval_ms / 1000.0
+        if (closing or now - self._reports_since >= interval
+                or len(self._reports) > m.MAX_REPORT_ITEMS - 2):  # room for the next batch's
+            self.flush_reports(durable=closing)
+
+    def flush_reports(self, *, durable: bool = False) -> None:
+        """Queue the held per-batch reports: one Reports, or a lone message as it is."""
+        items, self._reports = self._reports, []
+        if not items:
+            return
+        if len(items) > 1 and self._run().report_interval_ms > 0:
+            self._held.append((m.Reports(rank=self.rank, items=tuple(items)), durable))
+            return
+        for item in items:  # interval 0: every report alone, as the reference sends them
+            self._held.append((item, durable and isinstance(item, m.Batch)))
 
     def release(self) -> None:
         """Hand queued reports to the agent's loop. Called while this thread is about to
@@ -246,6 +275,7 @@ class Trainer(threading.Thread):
             log.exception("rank %d: training failed", self.rank)
             self.outcome = Outcome(clean=False, reason=f"{type(exc).__name__}: {exc}")
         finally:
+            self.flush_reports()
             self.release()
             self._leave_group()
             self.on_done(self.outcome or Outcome(clean=False, reason="stopped"))
@@ -276,6 +306,7 @@ class Trainer(threading.Thread):
             if self._can_train():
                 self._train_batch()
                 continue
+            self.flush_reports()  # going idle: nothing of this rank's stays behind
             self.release()
             done = self._handle(self.inbox.get())
             self.release()
@@ -545,13 +576,13 @@ class Trainer(threading.Thread):
         # the report after which this rank stops (budget reached, or no plan left) is stored
         # with an ack: the coordinator's gate waits on it; the others may be lost harmlessly
         closing = self.window.steps >= self.window.budget or (plan.done and len(self.plans) == 1)
-        self.outbox(m.Batch(rank=self.rank, batch_ms=batch_ms, data_ms=data_ms,
-                            step_count=self.step, param_norm=norm,
-                            batch_loss=loss_value if math.isfinite(loss_value) else None),
-                    durable=closing)
+        reports: list[m.Batch | m.LrUpdate] = [m.Batch(
+            rank=self.rank, batch_ms=batch_ms, data_ms=data_ms, step_count=self.step,
+            param_norm=norm, batch_loss=loss_value if math.isfinite(loss_value) else None)]
         if lr != self._last_lr:
             self._last_lr = lr
-            self.outbox(m.LrUpdate(rank=self.rank, lr=lr), durable=False)
+            reports.append(m.LrUpdate(rank=self.rank, lr=lr))
+        self._report(reports, t2, closing=closing)
         plan.batches += 1
         plan.loss_sum += loss_value
         plan.compute_ms += batch_ms

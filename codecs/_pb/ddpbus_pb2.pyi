@@ -521,6 +521,59 @@ class TimingMsg(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class Reports(_message.Message):
+        """Per-batch telemetry of several consecutive batches in one message: the Batch (and
+        LrUpdate) reports a rank made since its last send, in the order it made them. A rank
+        sends one of these instead of the single messages when its batches come faster than
+        the run's report interval (RunConfig.report_interval_ms); the window-closing Batch
+        always ends one at once. Every item is `rank`'s; Batch step counts strictly rise;
+        1 to 256 items.
+        """
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        @_typing.final
+        class Item(_message.Message):
+            DESCRIPTOR: _descriptor.Descriptor
+
+            BATCH_FIELD_NUMBER: _builtins.int
+            LR_UPDATE_FIELD_NUMBER: _builtins.int
+            @_builtins.property
+            def batch(self) -> Global___TimingMsg.Batch: ...
+            @_builtins.property
+            def lr_update(self) -> Global___TimingMsg.LrUpdate: ...
+            def __init__(
+                self,
+                *,
+                batch: Global___TimingMsg.Batch | None = ...,
+                lr_update: Global___TimingMsg.LrUpdate | None = ...,
+            ) -> None: ...
+            _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "lr_update", b"lr_update", "variant", b"variant"]  # noqa: Y015
+            def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+            _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "lr_update", b"lr_update", "variant", b"variant"]  # noqa: Y015
+            def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+            _WhichOneofReturnType_variant: _TypeAlias = _typing.Literal["batch", "lr_update"]  # noqa: Y015
+            _WhichOneofArgType_variant: _TypeAlias = _typing.Literal["variant", b"variant"]  # noqa: Y015
+            def WhichOneof(self, oneof_group: _WhichOneofArgType_variant) -> _WhichOneofReturnType_variant | None: ...
+
+        RANK_FIELD_NUMBER: _builtins.int
+        ITEMS_FIELD_NUMBER: _builtins.int
+        rank: _builtins.int
+        @_builtins.property
+        def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___TimingMsg.Reports.Item]: ...
+        def __init__(
+            self,
+            *,
+            rank: _builtins.int = ...,
+            items: _abc.Iterable[Global___TimingMsg.Reports.Item] | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "rank", b"rank"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     BATCH_FIELD_NUMBER: _builtins.int
     SYNC_ACK_FIELD_NUMBER: _builtins.int
     EXITING_FIELD_NUMBER: _builtins.int
@@ -532,6 +585,7 @@ class TimingMsg(_message.Message):
     EVAL_RESULT_FIELD_NUMBER: _builtins.int
     CHECKPOINT_RESULT_FIELD_NUMBER: _builtins.int
     EPOCH_FN_ELAPSED_FIELD_NUMBER: _builtins.int
+    REPORTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def batch(self) -> Global___TimingMsg.Batch: ...
     @_builtins.property
@@ -554,6 +608,8 @@ class TimingMsg(_message.Message):
     def checkpoint_result(self) -> Global___TimingMsg.CheckpointResult: ...
     @_builtins.property
     def epoch_fn_elapsed(self) -> Global___TimingMsg.EpochFnElapsed: ...
+    @_builtins.property
+    def reports(self) -> Global___TimingMsg.Reports: ...
     def __init__(
         self,
         *,
@@ -568,12 +624,13 @@ class TimingMsg(_message.Message):
         eval_result: Global___TimingMsg.EvalResult | None = ...,
         checkpoint_result: Global___TimingMsg.CheckpointResult | None = ...,
         epoch_fn_elapsed: Global___TimingMsg.EpochFnElapsed | None = ...,
+        reports: Global___TimingMsg.Reports | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "checkpoint_result", b"checkpoint_result", "epoch_fn_elapsed", b"epoch_fn_elapsed", "eval_result", b"eval_result", "exiting", b"exiting", "heartbeat", b"heartbeat", "intent", b"intent", "lr_update", b"lr_update", "new_nccl_id_generated", b"new_nccl_id_generated", "snapshot_ready", b"snapshot_ready", "sync_ack", b"sync_ack", "variant", b"variant"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "checkpoint_result", b"checkpoint_result", "epoch_fn_elapsed", b"epoch_fn_elapsed", "eval_result", b"eval_result", "exiting", b"exiting", "heartbeat", b"heartbeat", "intent", b"intent", "lr_update", b"lr_update", "new_nccl_id_generated", b"new_nccl_id_generated", "reports", b"reports", "snapshot_ready", b"snapshot_ready", "sync_ack", b"sync_ack", "variant", b"variant"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "checkpoint_result", b"checkpoint_result", "epoch_fn_elapsed", b"epoch_fn_elapsed", "eval_result", b"eval_result", "exiting", b"exiting", "heartbeat", b"heartbeat", "intent", b"intent", "lr_update", b"lr_update", "new_nccl_id_generated", b"new_nccl_id_generated", "snapshot_ready", b"snapshot_ready", "sync_ack", b"sync_ack", "variant", b"variant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "checkpoint_result", b"checkpoint_result", "epoch_fn_elapsed", b"epoch_fn_elapsed", "eval_result", b"eval_result", "exiting", b"exiting", "heartbeat", b"heartbeat", "intent", b"intent", "lr_update", b"lr_update", "new_nccl_id_generated", b"new_nccl_id_generated", "reports", b"reports", "snapshot_ready", b"snapshot_ready", "sync_ack", b"sync_ack", "variant", b"variant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_variant: _TypeAlias = _typing.Literal["batch", "sync_ack", "exiting", "lr_update", "heartbeat", "intent", "snapshot_ready", "new_nccl_id_generated", "eval_result", "checkpoint_result", "epoch_fn_elapsed"]  # noqa: Y015
+    _WhichOneofReturnType_variant: _TypeAlias = _typing.Literal["batch", "sync_ack", "exiting", "lr_update", "heartbeat", "intent", "snapshot_ready", "new_nccl_id_generated", "eval_result", "checkpoint_result", "epoch_fn_elapsed", "reports"]  # noqa: Y015
     _WhichOneofArgType_variant: _TypeAlias = _typing.Literal["variant", b"variant"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_variant) -> _WhichOneofReturnType_variant | None: ...
 
@@ -1449,6 +1506,7 @@ class RunConfig(_message.Message):
     COLLECTIVE_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     EASGD_ALPHA_FIELD_NUMBER: _builtins.int
     BF16_WIRE_FIELD_NUMBER: _builtins.int
+    REPORT_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     policy: Global___Policy.ValueType
     backend: Global___Backend.ValueType
     batch_size: _builtins.int
@@ -1472,6 +1530,10 @@ class RunConfig(_message.Message):
     """broker backend: W += alpha * (consensus - snapshot); 0 = 1"""
     bf16_wire: _builtins.bool
     """broker backend: tensors travel as bfloat16"""
+    report_interval_ms: _builtins.float
+    """coalesce per-batch telemetry: a rank sends its Batch/LrUpdate reports at most this
+    often, as one Reports (the window-closing Batch goes at once); 0 = every report alone
+    """
     def __init__(
         self,
         *,
@@ -1489,10 +1551,11 @@ class RunConfig(_message.Message):
         collective_timeout_s: _builtins.float = ...,
         easgd_alpha: _builtins.float = ...,
         bf16_wire: _builtins.bool = ...,
+        report_interval_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "batch_size", b"batch_size", "bf16_wire", b"bf16_wire", "collective_timeout_s", b"collective_timeout_s", "coordinator_timeout_s", b"coordinator_timeout_s", "dataset_size", b"dataset_size", "easgd_alpha", b"easgd_alpha", "epochs", b"epochs", "gamma", b"gamma", "lr_scale_ratio", b"lr_scale_ratio", "param_norm_every", b"param_norm_every", "policy", b"policy", "progressive", b"progressive", "seed", b"seed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "batch_size", b"batch_size", "bf16_wire", b"bf16_wire", "collective_timeout_s", b"collective_timeout_s", "coordinator_timeout_s", b"coordinator_timeout_s", "dataset_size", b"dataset_size", "easgd_alpha", b"easgd_alpha", "epochs", b"epochs", "gamma", b"gamma", "lr_scale_ratio", b"lr_scale_ratio", "param_norm_every", b"param_norm_every", "policy", b"policy", "progressive", b"progressive", "report_interval_ms", b"report_interval_ms", "seed", b"seed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -247,7 +247,8 @@ def _field(name: str, tp: Any, fixed: Mapping[str, st.SearchStrategy[Any]]
 SPECIAL: dict[Any, st.SearchStrategy[Any]] = {}
 SPECIAL |= {
     # the decoder's own rules: a stored snapshot has mass and a digest, an unrealized Update
-    # accepts nobody, a run config has a batch size, a positive timeout and alpha in [0, 1]
+    # accepts nobody, a run config has a batch size, a positive timeout, alpha in [0, 1] and
+    # a finite report interval
     m.SnapshotReady: st.one_of(
         builds(m.SnapshotReady, mass=st.just(0.0), digest=st.just("")),
         builds(m.SnapshotReady, mass=st.floats(1e-6, 1e6),
@@ -258,12 +259,27 @@ SPECIAL |= {
                                digest=st.just(""))),
     m.RunConfig: st.deferred(lambda: builds(
         m.RunConfig, coordinator_timeout_s=st.floats(0.1, 600.0),
-        collective_timeout_s=st.floats(0.0, 600.0), easgd_alpha=st.floats(0.01, 1.0))),
+        collective_timeout_s=st.floats(0.0, 600.0), easgd_alpha=st.floats(0.01, 1.0),
+        report_interval_ms=st.floats(0.0, 10_000.0))),
     # a heartbeat's refusal counts are keyed by the codec's own reasons
     m.Heartbeat: st.deferred(lambda: builds(
         m.Heartbeat, rejections=st.dictionaries(st.sampled_from(sorted(REASONS)),
                                                 st.integers(0, 10**6), max_size=3))),
 }
+
+
+
+@st.composite
+def _reports(draw: st.DrawFn) -> m.Reports:
+    """Coalesced reports as the decoder takes them: one rank's, Batch steps rising."""
+    rank = draw(RANKS)
+    steps = sorted(draw(st.sets(st.integers(0, 10**6), min_size=1, max_size=6)))
+    return m.Reports(rank=rank, items=tuple(
+        draw(builds(m.Batch, rank=st.just(rank), step_count=st.just(s))) if draw(st.booleans())
+        else draw(builds(m.LrUpdate, rank=st.just(rank))) for s in steps))
+
+
+SPECIAL[m.Reports] = _reports()
 
 CLASSES: Final[Mapping[str, tuple[type[Any], ...]]] = {
     "TimingMsg": typing.get_args(m.TimingMsg), "ControlMsg": typing.get_args(m.ControlMsg),
@@ -377,6 +393,11 @@ def _fixed(tp: Any, name: str = "") -> Any:
 
 
 def _fixed_message(cls: type[Any]) -> Any:
+    if cls is m.Reports:
+        return m.Reports(rank=1, items=(
+            m.Batch(rank=1, batch_ms=2.5, data_ms=0.5, step_count=7, param_norm=3.0,
+                    batch_loss=0.25), m.LrUpdate(rank=1, lr=0.05),
+            m.Batch(rank=1, batch_ms=2.0, data_ms=0.25, step_count=8, batch_loss=0.125)))
     if cls is m.SnapshotReady:
         return m.SnapshotReady(rank=1, version=3, mass=2.0, step_count=7,
                                digest="SHA-256=q83vEjRWeJA=", nbytes=64)

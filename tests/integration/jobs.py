@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpbus.codecs import Decoder
+from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.orchestrator.bus import connect
 
@@ -141,7 +142,8 @@ def start_job(url: str, tmp: Path, spec_ref: str, *, workers: int = 2, job: str 
 
 
 def stream_types(url: str, job: str) -> Counter[str]:
-    """Ddpbus-Type of every message the job's stream holds (verified with the job key)."""
+    """Ddpbus-Type of every message the job's stream holds (verified with the job key);
+    the items of a coalesced Reports count as ``TimingMsg.Reports/<item type>``."""
 
     async def read() -> Counter[str]:
         nc = await connect(url, name="stream-reader")
@@ -155,6 +157,8 @@ def stream_types(url: str, job: str) -> Counter[str]:
             for msg in await sub.fetch(min(left, 500), timeout=5):
                 env = decoder.decode(msg.subject, msg.headers, msg.data)
                 seen[env.msg_type] += 1
+                if isinstance(env.message, m.Reports):
+                    seen.update(f"{env.msg_type}/{type(x).__name__}" for x in env.message.items)
                 left -= 1
                 await msg.ack()  # a pull consumer stops at 1,000 unacknowledged
         await nc.close()

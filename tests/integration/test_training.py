@@ -169,14 +169,17 @@ def test_slow_rank_under_cadence_and_sync(broker: EmbeddedBroker, tmp_path: Path
     assert sync["compute_ms"]["0"] < 0.6 * sync["compute_ms"]["1"], sync["compute_ms"]
 
 
-TIMING = {"Batch", "SyncAck", "Exiting", "LrUpdate", "NewNcclIdGenerated", "EvalResult",
-          "CheckpointResult", "EpochFnElapsed", "Intent"}
+TIMING = {"Batch", "SyncAck", "Exiting", "NewNcclIdGenerated", "EvalResult",
+          "CheckpointResult", "EpochFnElapsed", "Intent", "Reports", "Reports/Batch",
+          "Reports/LrUpdate"}  # (a cosine LR changes every batch: its updates ride along)
 CONTROL = {"SyncNow", "StartEpoch", "RequestNewNcclId", "NewNcclSession", "SetGlobalStep",
            "Checkpoint", "ExecuteEvalCallback", "SetEpochCallbackRole", "Shutdown",
            "EpochAggregated", "EvalBroadcast", "SaveConsensusModel"}
 
 
-BROKER_TIMING = TIMING - {"NewNcclIdGenerated"} | {"SnapshotReady"}
+# the broker run reports every batch alone (report_interval 0): the lone variants travel too
+BROKER_TIMING = TIMING - {"NewNcclIdGenerated", "Reports", "Reports/Batch",
+                          "Reports/LrUpdate"} | {"SnapshotReady", "LrUpdate"}
 BROKER_CONTROL = CONTROL - {"SyncNow", "RequestNewNcclId", "NewNcclSession"} | {
     "RequestParams", "Update"}
 
@@ -191,7 +194,8 @@ def test_callbacks_failover_and_every_variant_on_the_wire(broker: EmbeddedBroker
     name = f"cbk-{backend}"
     with LiveTap(broker.url, name) as tap:
         job = start_job(broker.url, tmp_path, spec("callbacks"), job=name,
-                        coordinator_args=["--backend", backend],
+                        coordinator_args=["--backend", backend, *(
+                            ["--knob", "report_interval=0"] if backend == "broker" else [])],
                         env={"CALLBACK_DIR": str(cb)})
         summary = job.wait()
     assert summary["ok"], summary

@@ -396,6 +396,7 @@ def _invalid_field() -> list[Case]:
                 _c("TimingMsg", intent=t.Intent(rank=3))),
         _signed("intent-unknown-number", InvalidField, T3, "TimingMsg.Intent",
                 _c("TimingMsg", intent=t.Intent(rank=3, kind=9))),
+        *_bad_reports(t),
         _signed("heartbeat-reason-not-a-slug", InvalidField, f"ddpbus.{JOB}.live.rank.3",
                 "TimingMsg.Heartbeat", _c("TimingMsg", heartbeat=t.Heartbeat(
                     rank=3, rejections={"Bad Signature": 1})), match="rejections"),
@@ -410,6 +411,36 @@ def _invalid_field() -> list[Case]:
                 frame(chunk_offset=1)),
         _signed("tensor-index-not-below-count", InvalidField, D3, tensor.TYPE_NAME,
                 frame(chunk_index=1)),
+    ]
+
+
+def _bad_reports(t: Any) -> list[Case]:
+    """Coalesced reports: 1..256 items, all the sender's, Batch steps strictly rising."""
+    def batch(rank: int = 3, step: int = 1) -> Any:
+        return t.Reports.Item(batch=t.Batch(rank=rank, batch_ms=1.0, step_count=step))
+
+    def reports(*items: Any) -> bytes:
+        return _c("TimingMsg", reports=t.Reports(rank=3, items=items))
+
+    lr = t.Reports.Item(lr_update=t.LrUpdate(rank=3, lr=0.1))
+    return [
+        _signed("reports-empty", InvalidField, T3, "TimingMsg.Reports", reports(),
+                match="0 items"),
+        _signed("reports-257-items", InvalidField, T3, "TimingMsg.Reports",
+                reports(*(batch(step=i + 1) for i in range(m.MAX_REPORT_ITEMS + 1))),
+                match="257 items"),
+        _signed("reports-item-of-rank-4", InvalidField, T3, "TimingMsg.Reports",
+                reports(batch(), batch(rank=4, step=2)), match="another rank"),
+        _signed("reports-lr-of-rank-4", InvalidField, T3, "TimingMsg.Reports",
+                reports(batch(), t.Reports.Item(lr_update=t.LrUpdate(rank=4, lr=0.1))),
+                match="another rank"),
+        _signed("reports-steps-not-rising", InvalidField, T3, "TimingMsg.Reports",
+                reports(batch(step=5), lr, batch(step=5)), match="strictly rise"),
+        _signed("reports-empty-item", InvalidField, T3, "TimingMsg.Reports",
+                reports(batch(), t.Reports.Item()), match="no Batch or LrUpdate"),
+        _signed("reports-of-rank-4-on-rank-3", InvalidField, T3, "TimingMsg.Reports",
+                _c("TimingMsg", reports=t.Reports(rank=4, items=[batch(rank=4)])),
+                match="rank=4"),
     ]
 
 
@@ -743,6 +774,17 @@ def test_out_of_range_values_are_encode_errors(msg: m.Message) -> None:
     for wire_json in (False, True):
         with pytest.raises(EncodeError):
             rank3(sender, wire_json=wire_json).encode(subject, msg)
+
+
+@pytest.mark.parametrize("items", [
+    (), tuple(dataclasses.replace(BATCH, step_count=i + 1) for i in range(257)),
+    (BATCH, dataclasses.replace(BATCH, rank=4, step_count=78)),
+    (BATCH, m.LrUpdate(rank=2, lr=0.1)),
+    (BATCH, m.LrUpdate(rank=3, lr=0.1), BATCH),
+], ids=["empty", "257-items", "batch-of-rank-4", "lr-of-rank-2", "steps-not-rising"])
+def test_bad_reports_are_encode_errors(items: tuple[m.Batch | m.LrUpdate, ...]) -> None:
+    with pytest.raises(EncodeError, match=r"TimingMsg\.Reports"):
+        rank3().encode(T3, m.Reports(rank=3, items=items))
 
 
 @pytest.mark.parametrize("msg", [

@@ -145,17 +145,18 @@ def _new_session(draw: st.DrawFn) -> m.NewNcclSession:
 _TYPE_OVERRIDES: dict[Any, st.SearchStrategy[Any]] = {
     m.Hello: _hello(),
     # the decoder refuses a zero batch size, a non-positive coordinator timeout and a
-    # negative or non-finite collective timeout
+    # negative or non-finite collective timeout or report interval
     m.RunConfig: st.deferred(lambda: builds(
         m.RunConfig, batch_size=st.integers(1, U64_MAX),
         coordinator_timeout_s=st.floats(min_value=1e-3, max_value=1e12),
         collective_timeout_s=st.floats(min_value=0, max_value=1e12),
-        easgd_alpha=st.floats(min_value=1e-6, max_value=1.0))),
+        easgd_alpha=st.floats(min_value=1e-6, max_value=1.0),
+        report_interval_ms=st.floats(min_value=0, max_value=1e12))),
 }
 
 TIMING_CLASSES = (
     m.Batch, m.SyncAck, m.Exiting, m.LrUpdate, m.Heartbeat, m.Intent, m.SnapshotReady,
-    m.NewNcclIdGenerated, m.EvalResult, m.CheckpointResult, m.EpochFnElapsed,
+    m.NewNcclIdGenerated, m.EvalResult, m.CheckpointResult, m.EpochFnElapsed, m.Reports,
 )
 CONTROL_CLASSES = (
     m.RequestParams, m.Update, m.SyncNow, m.StartEpoch, m.ExtendPartition, m.DeclareDead,
@@ -184,6 +185,25 @@ STRATEGIES[m.Update] = st.one_of(builds(m.Update, realized=st.just(True),
                                  builds(m.Update, realized=st.just(False),
                                         accepted=st.just(()), digest=st.just("")))
 STRATEGIES[m.NewNcclSession] = _new_session()
+
+
+@st.composite
+def _reports(draw: st.DrawFn) -> m.Reports:
+    """1..MAX_REPORT_ITEMS items of one rank, Batch step counts strictly rising (the
+    decoder refuses anything else)."""
+    rank = draw(u64s())
+    n = draw(st.one_of(st.integers(1, 6), st.just(m.MAX_REPORT_ITEMS)))
+    steps = sorted(draw(st.sets(u64s(), min_size=n, max_size=n)))
+    items: list[m.Batch | m.LrUpdate] = []
+    for step in steps:
+        if draw(st.booleans()):
+            items.append(draw(builds(m.Batch, rank=st.just(rank), step_count=st.just(step))))
+        else:
+            items.append(draw(builds(m.LrUpdate, rank=st.just(rank))))
+    return m.Reports(rank=rank, items=tuple(items))
+
+
+STRATEGIES[m.Reports] = _reports()
 # refusal reasons are DecodeError reasons: lower-case slugs (at most 64 of them)
 STRATEGIES[m.Heartbeat] = builds(m.Heartbeat, rejections=st.dictionaries(
     st.from_regex(r"[a-z][a-z0-9-]{0,39}", fullmatch=True), u64s(), max_size=4))

@@ -301,4 +301,4 @@ def test_easgd_defaults_to_half_for_async_on_the_broker_only() -> None:
     assert schedule_from({"backend": "broker"}).effective_easgd_alpha == 1.0
     assert schedule_from({"policy": "async"}).effective_easgd_alpha == 1.0
     assert schedule_from({"backend": "broker", "policy": "async",
-                          "easgd_alpha": 1}).run_config(64).easgd_alpha == 1.0
+                          "easgd_alpha": 1}).run_config(64, 2).easgd_alpha == 1.0

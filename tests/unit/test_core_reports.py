@@ -1,0 +1,110 @@
+"""Coalesced per-batch reports (TimingMsg.Reports) in the pure core.
+
+A Reports must do exactly what its items do when they arrive one by one: the same commands
+(SyncNow, the next window, records) and the same books, whatever the grouping. Two cores
+are fed the same training run, one with single Batch / LrUpdate messages, the other with
+Reports of a few items each, and compared after every send.
+"""
+
+from __future__ import annotations
+
+import pytest
+from core_harness import Core, formed, records, refusals, sends
+
+from ddpbus.codecs import messages as m
+from ddpbus.orchestrator.state import Command, Phase, Timing
+
+
+def _finished_by(core: Core, rank: int, n: int) -> list[tuple[int, int]]:
+    """(epoch, size) of the plans that ``n`` more batches of ``rank`` complete."""
+    done, left = [], n
+    for a in core.state.ranks[rank].queue:
+        if a.complete:
+            continue
+        if a.remaining > left:
+            break
+        done.append((a.epoch, a.size))
+        left -= a.remaining
+    return done
+
+
+def _send(core: Core, rank: int, n: int, *, group: int) -> list[Command]:
+    """``n`` batches of ``rank`` (each with the LR it used), as single messages
+    (``group`` 1) or as Reports of up to ``group`` batches; then the MetricsMsg of every
+    plan they finished, as a worker sends them (its reports first)."""
+    finished = _finished_by(core, rank, n)
+    items: list[m.Batch | m.LrUpdate] = []
+    for _ in range(n):
+        core.steps[rank] += 1
+        step = core.steps[rank]
+        items += [m.Batch(rank=rank, batch_ms=1.0 + 0.1 * rank + 0.01 * (step % 7),
+                          data_ms=0.05, step_count=step, batch_loss=1.0 / step),
+                  m.LrUpdate(rank=rank, lr=0.1 / step)]
+    out: list[Command] = []
+    per = 2 * group
+    for i in range(0, len(items), per):
+        chunk = items[i:i + per]
+        if group == 1:
+            for item in chunk:
+                out += core.feed(Timing(item))
+        else:
+            out += core.feed(Timing(m.Reports(rank=rank, items=tuple(chunk))))
+    for epoch, size in finished:
+        out += core.metrics(rank, epoch, size)
+    return out
+
+
+def _run(group: int, windows: int = 30) -> tuple[list[list[Command]], Core]:
+    """A 2-rank cadence run, window by window: each rank trains to its budget (rank 1 in
+    two bursts), then both answer the SyncNow; returns each step's commands."""
+    core = formed(policy="cadence", epochs=4)
+    steps: list[list[Command]] = []
+    for w in range(windows):
+        if core.state.phase is not Phase.TRAINING:
+            break
+        core.now = float(w)
+        for rank in (0, 1):
+            r = core.state.ranks[rank]
+            todo = max(0, r.budget - r.steps)
+            first = todo // 2 if rank == 1 else todo
+            steps.append(_send(core, rank, first, group=group))
+            core.now += 0.25
+            steps.append(_send(core, rank, todo - first, group=group))
+        steps += [core.ack(rank) for rank in (0, 1) if not core.state.ranks[rank].acked]
+    return steps, core
+
+
+@pytest.mark.parametrize("group", [2, 3, 7, m.MAX_REPORT_ITEMS // 2])
+def test_reports_do_exactly_what_their_items_do_alone(group: int) -> None:
+    single, a = _run(group=1)
+    grouped, b = _run(group=group)
+    assert len(sends([c for s in single for c in s], m.SyncNow)) >= 8  # averaged a lot
+    assert grouped == single
+    for ra, rb in zip(a.state.ranks, b.state.ranks, strict=True):
+        assert (rb.step, rb.batches_total, rb.lr, rb.last_loss) == (
+            ra.step, ra.batches_total, ra.lr, ra.last_loss)
+        assert rb.lr == pytest.approx(0.1 / rb.step)  # the last LrUpdate of its last Reports
+    assert (b.state.global_step, b.state.rounds) == (a.state.global_step, a.state.rounds)
+    assert b.state.elche.counts == a.state.elche.counts
+
+
+def test_a_reports_closing_the_window_opens_the_gate() -> None:
+    core = formed(policy="cadence")
+    budget = [core.state.ranks[r].budget for r in (0, 1)]
+    _send(core, 0, budget[0], group=8)
+    out = _send(core, 1, budget[1], group=budget[1])
+    assert len(sends(out, m.SyncNow)) == 1
+    assert records(out, "average")[0]["steps"] == {0: budget[0], 1: budget[1]}
+
+
+def test_a_reports_of_a_stale_step_is_refused_item_by_item() -> None:
+    """A re-sent Reports whose batches were booked already changes nothing."""
+    core = formed(policy="cadence")
+    first = m.Reports(rank=0, items=(
+        m.Batch(rank=0, batch_ms=1.0, data_ms=0.0, step_count=1),
+        m.Batch(rank=0, batch_ms=1.0, data_ms=0.0, step_count=2)))
+    assert not refusals(core.feed(Timing(first)))
+    r = core.state.ranks[0]
+    before = (r.step, r.steps, r.compute_ms)
+    assert refusals(core.feed(Timing(first))) == ["stale-batch", "stale-batch"]
+    assert (r.step, r.steps, r.compute_ms) == before
