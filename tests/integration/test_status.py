@@ -33,8 +33,13 @@ def doc(url: str, key_file: Path) -> dict[str, Any]:
     return dict(json.loads(out.stdout))
 
 
+EPOCHS = 30
+
+
 def test_status_of_a_live_run_and_of_its_end(broker: EmbeddedBroker, tmp_path: Path) -> None:
-    job, _ = chaos_job(broker.url, tmp_path, "watched", epochs=8, slowdown=3)
+    # long enough to still be training between two status calls on a loaded machine (with
+    # coalesced reports 8 epochs could end in between)
+    job, _ = chaos_job(broker.url, tmp_path, "watched", epochs=EPOCHS, slowdown=3)
     key_file = tmp_path / "job.key"
     try:
         deadline = time.monotonic() + 120
@@ -71,7 +76,7 @@ def test_status_of_a_live_run_and_of_its_end(broker: EmbeddedBroker, tmp_path: P
     assert end["phase"] == "done"
     assert end["outcome"]["ok"]
     assert end["summary"]["ok"]
-    assert end["last_checkpoint"]["version"] == 8
+    assert end["last_checkpoint"]["version"] == EPOCHS
     assert end["lease"] is None
 
 
