@@ -2,9 +2,11 @@
 
 ddpbus side: ``ddpbus run bench/specs/tiny.py:spec --workers 2 --policy sync`` (a model so
 small the collective costs ~0.3 ms); the coordinator's decision log has, for every average,
-``reduce_ms`` = time from publishing SyncNow (JetStream) to holding both SyncAcks: two
-stored JetStream hops, two hand-offs to and from the training threads, and the gloo
-all-reduce. Baseline: nats-py request/reply (200-byte payload, responder in another process,
+``publish_to_acks_ms`` = time from handing SyncNow to the publisher (JetStream) to holding
+both SyncAcks: two stored JetStream hops, two hand-offs to and from the training threads,
+and the gloo all-reduce. That is the measure the target is about. Shown beside it:
+``reduce_ms``, from the decision instead, which adds the write-ahead snapshot stored before
+anything is published. Baseline: nats-py request/reply (200-byte payload, responder in another process,
 core NATS), measured in the same run right before, *during* (same machine load) and after
 the ddpbus runs. Reports medians and the ratio; target <= 2x.
 
@@ -89,6 +91,7 @@ def main() -> None:
             idle = asyncio.run(_rtt(broker.url, 2000))
             loaded: list[float] = []
             reduce_ms: list[float] = []
+            decided_ms: list[float] = []
             per_run: list[dict[str, Any]] = []
             for _ in range(args.rounds):
                 stop = threading.Event()
@@ -102,8 +105,10 @@ def main() -> None:
                 run = ddpbus_run("tiny", "--policy", "sync")
                 stop.set()
                 prober.join()
-                xs = [e["reduce_ms"] for e in run.of("averaged")][5:]  # skip warm-up
+                averaged = run.of("averaged")[5:]  # skip warm-up
+                xs = [e["publish_to_acks_ms"] for e in averaged]
                 reduce_ms += xs
+                decided_ms += [e["reduce_ms"] for e in averaged]
                 per_run.append({"rounds": run.summary["rounds"], "p50_ms": median(xs)})
             after = asyncio.run(_rtt(broker.url, 2000))
         finally:
@@ -114,6 +119,8 @@ def main() -> None:
     doc = {
         "syncnow_to_all_acks_ms": {"p50": ours, "p99": _percentile(reduce_ms, 0.99),
                                    "n": len(reduce_ms), "runs": per_run},
+        "decision_to_all_acks_ms": {"p50": median(decided_ms),
+                                    "p99": _percentile(decided_ms, 0.99)},
         "request_reply_rtt_ms": {"idle_p50": rtt_idle, "idle_p99": _percentile(idle + after,
                                                                                0.99),
                                  "during_runs_p50": rtt_loaded, "n_during": len(loaded)},
@@ -126,6 +133,8 @@ def main() -> None:
     sys.stdout.write(
         f"SyncNow -> all SyncAcks      p50 {ours:.3f} ms  p99 {p99:.3f} ms"
         f"  ({len(reduce_ms)} averages, {args.rounds} runs)\n"
+        f"decision -> all SyncAcks     p50 {doc['decision_to_all_acks_ms']['p50']:.3f} ms"
+        f"  (with the write-ahead snapshot)\n"
         f"request/reply RTT idle       p50 {rtt_idle:.3f} ms\n"
         f"request/reply RTT during run p50 {rtt_loaded:.3f} ms\n"
         f"ratio vs idle RTT   {doc['ratio_vs_idle_rtt']:.2f}x   "

@@ -31,7 +31,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Final
 
 import nats
 import numpy
@@ -40,7 +40,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
-from ddpbus.codecs import DecodeError, Decoder, Encoder, Outbound
+from ddpbus.codecs import DecodeError, Decoder, Encoder, Outbound, convert
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
@@ -105,6 +105,7 @@ class CoordinatorSettings:
 
 EXIT_DEPOSED = 3
 LATENCY_SAMPLES = 200_000
+SYNC_NOW: Final = convert.BY_CLASS[m.SyncNow].type_name  # its Ddpbus-Type header
 
 
 def _stored_at(msg: Msg) -> float | None:
@@ -162,6 +163,10 @@ class Coordinator:
         self._commit_wanted = asyncio.Event()
         self._committed = asyncio.Event()  # set while nothing decided waits for a snapshot
         self._committed.set()
+        # when the latest SyncNow was handed to the publisher (after its snapshot): the
+        # "averaged" record adds the time from there to the last SyncAck (the core's own
+        # reduce_ms starts at the decision, before the write-ahead snapshot)
+        self._sync_published_at: float | None = None
         self.replay_s: float | None = None  # lease taken to caught up with the stream
 
     async def run(self) -> int:
@@ -491,6 +496,8 @@ class Coordinator:
                 for out in batch:
                     self.publisher.submit(out)
                 now = time.time()
+                if any(out.headers.get(sj.H_TYPE) == SYNC_NOW for out in batch):
+                    self._sync_published_at = now
                 for t, training in started:
                     self.decision_ms.append((now - t) * 1000.0)
                     if training:
@@ -542,6 +549,9 @@ class Coordinator:
         task.add_done_callback(self._background.discard)
 
     def _record(self, c: Record) -> None:
+        if c.event == "averaged" and self._sync_published_at is not None:
+            c = Record(c.event, {**c.fields, "publish_to_acks_ms": round(
+                (time.time() - self._sync_published_at) * 1000.0, 3)})
         if self.metrics is not None:
             self.metrics.on_record(c)
         line = json.dumps({"t": round(self.clock(), 6), "event": c.event, **c.fields},
