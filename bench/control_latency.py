@@ -6,9 +6,9 @@ small the collective costs ~0.3 ms); the coordinator's decision log has, for eve
 both SyncAcks: two stored JetStream hops, two hand-offs to and from the training threads,
 and the gloo all-reduce. That is the measure the target is about. Shown beside it:
 ``reduce_ms``, from the decision instead, which adds the write-ahead snapshot stored before
-anything is published. Baseline: nats-py request/reply (200-byte payload, responder in another process,
-core NATS), measured in the same run right before, *during* (same machine load) and after
-the ddpbus runs. Reports medians and the ratio; target <= 2x.
+anything is published. Baseline: nats-py request/reply (200-byte payload, responder in
+another process, core NATS), measured in the same run right before, *during* (same machine
+load) and after the ddpbus runs. Reports medians and the ratio; target <= 2x.
 
 Run: ``python bench/control_latency.py [--rounds 3] [--json PATH]``.
 """

@@ -47,7 +47,9 @@ def initial_state(config: CoreConfig, now: float) -> State:
     guard = TrendGuard(threshold=s.divergence_threshold, enabled=s.divergence_guard,
                        sync=s.is_sync)
     state = State(config=config, ranks=[RankState(rank=r) for r in range(config.world_size)],
-                  elche=elche, guard=guard, created_at=now)
+                  elche=elche, guard=guard, created_at=now,
+                  rank_compute_ms=[0.0] * config.world_size,
+                  rank_busy_ms=[0.0] * config.world_size)
     seed_from_bundle(state)
     return state
 

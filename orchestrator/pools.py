@@ -55,6 +55,9 @@ class Pool:
     completed_at: float | None = None
     aggregated: bool = False
     boundary_done: bool = False
+    # set by compact(): the epoch's final ledger, in place of its assignments (a long run
+    # keeps one small record per epoch, not every chunk of every rank with its metrics)
+    closed: dict[str, Any] | None = None
 
     @property
     def remaining(self) -> int:
@@ -114,10 +117,18 @@ class Pool:
             wrong.append((last, depth))
         return wrong
 
+    def compact(self) -> None:
+        """Keep only the ledger: for an epoch aggregated, served at its boundary and whose
+        every batch is in a completed average (nothing can reassign any of it any more)."""
+        self.closed = self.ledger()
+        self.assignments = []
+
     def ledger(self) -> dict[str, Any]:
         """The epoch's proof of coverage: the batches trained into the consensus (each
         assignment as it stood at the end: a dead rank's cut to what it had averaged), and
         where they fail to tile the epoch exactly once."""
+        if self.closed is not None:
+            return dict(self.closed)
         done = sum(min(a.done, a.size) for _, a in self.assignments)
         gaps = self.coverage_gaps() if self.exhausted else [(self.cursor, 0)]
         incomplete = [[a.offset, a.size - a.done] for _, a in self.assignments

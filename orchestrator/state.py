@@ -325,7 +325,11 @@ class State:
     pools: dict[int, Pool] = field(default_factory=dict)
     epoch: int = 0  # the epoch being dispatched
     next_aggregate: int = 0
+    # every aggregated epoch, in order; only the latest keeps its per-rank columns (the
+    # run's per-rank totals are summed below), so a long run at scale stays small
     aggregated: list[m.EpochMetrics] = field(default_factory=list)
+    rank_compute_ms: list[float] = field(default_factory=list)  # summed over aggregated
+    rank_busy_ms: list[float] = field(default_factory=list)  # epochs, per rank
     global_step: int = 0
     rounds: int = 0
     sync_sent_at: float | None = None

@@ -14,12 +14,8 @@ def _num(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def _per_rank(s: State, name: str) -> dict[str, float]:
+def _per_rank(totals: list[float]) -> dict[str, float]:
     """A per-rank EpochMetrics column summed over the aggregated epochs."""
-    totals = [0.0] * len(s.ranks)
-    for e in s.aggregated:
-        for rank, value in enumerate(getattr(e, name)):
-            totals[rank] += value
     return {str(rank): v for rank, v in enumerate(totals)}
 
 
@@ -65,8 +61,8 @@ def summarize(s: State) -> dict[str, Any]:
         "loss": [_num(e.avg_loss) for e in s.aggregated],
         "batch_share": {str(r): (b / total if total else 0.0) for r, b in batches.items()},
         "batches": {str(r): b for r, b in batches.items()},
-        "compute_ms": _per_rank(s, "per_rank_compute_only_ms"),
-        "busy_ms": _per_rank(s, "per_rank_share_complete_ms"),
+        "compute_ms": _per_rank(s.rank_compute_ms),
+        "busy_ms": _per_rank(s.rank_busy_ms),
         "anchor": s.elche.anchor,
         "counts": {str(r): c for r, c in s.elche.counts.items()},
         "dataset_size": s.dataset_size,

@@ -122,6 +122,14 @@ def aggregate_ready(s: State, now: float, out: Out) -> None:
         metrics = aggregate_epoch(pool.epoch, pool.chunks(), len(s.ranks), pool_wall_ms=wall,
                                   device_indices=devices)
         pool.aggregated = True
+        for rank, ms in enumerate(metrics.per_rank_compute_only_ms):
+            s.rank_compute_ms[rank] += ms
+        for rank, ms in enumerate(metrics.per_rank_share_complete_ms):
+            s.rank_busy_ms[rank] += ms
+        if s.aggregated:  # only the latest epoch keeps its per-rank columns
+            last = s.aggregated[-1]
+            s.aggregated[-1] = m.EpochMetrics(epoch=last.epoch, avg_loss=last.avg_loss,
+                                              epoch_ms=last.epoch_ms, scalars=last.scalars)
         s.aggregated.append(metrics)
         s.next_aggregate += 1
         out.append(Send(m.EpochAggregated(metrics=metrics)))
@@ -293,7 +301,23 @@ def settle(s: State, now: float, out: Out) -> None:
         recovery.resolve_orphans(s, now, out)
     if s.resync and s.rendezvous is None and s.phase in (Phase.TRAINING, Phase.FINISHING):
         recovery.rebuild(s, "a collective failed", now, out)
+    compact_pools(s)
     callbacks.maybe_finish(s, now, out)
+
+
+def compact_pools(s: State) -> None:
+    """Keep only the ledger of every epoch that is aggregated, served at its boundary and
+    in the consensus everywhere (no rank holds an unsealed or unreported piece of it, so no
+    death can reassign any of it): the state, and every snapshot of it, stays the size of
+    the cohort however long the run goes."""
+    done = [p for p in s.pools.values()
+            if p.closed is None and p.aggregated and p.boundary_done]
+    if not done:
+        return
+    open_epochs = {a.epoch for r in s.ranks for held in (r.history, r.queue) for a in held}
+    for pool in done:
+        if pool.epoch not in open_epochs:
+            pool.compact()
 
 
 # ------------------------------------------------------------------- dispatch

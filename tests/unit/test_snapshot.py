@@ -15,7 +15,9 @@ from ddpbus.codecs import Outbound
 from ddpbus.orchestrator import snapshot
 from ddpbus.orchestrator.config import schedule_from
 from ddpbus.orchestrator.core import transition
+from ddpbus.orchestrator.pools import Assignment
 from ddpbus.orchestrator.state import Tick
+from ddpbus.orchestrator.summary import summarize
 
 KEY = b"snapshot-test-key-0123456789abcdef"
 
@@ -74,10 +76,11 @@ def test_a_signed_snapshot_naming_a_foreign_class_builds_nothing(path: str) -> N
 
 def test_shared_objects_stay_shared() -> None:
     sim = _ran()
-    a = sim.state.pools[0].assignments[0][1]
-    sim.state.ranks[0].history.append(a)  # one object in two places, as in a live run
+    a = Assignment(epoch=1, offset=0, size=1)  # one object in two places, as in a live run
+    sim.state.pools[1].assignments.append((0, a))
+    sim.state.ranks[0].history.append(a)
     back = snapshot.decode(snapshot.encode(_snap(sim), KEY), KEY)
-    assert back.state.ranks[0].history[-1] is back.state.pools[0].assignments[0][1]
+    assert back.state.ranks[0].history[-1] is back.state.pools[1].assignments[-1][1]
 
 
 def test_the_format_is_not_pickle() -> None:
@@ -85,3 +88,24 @@ def test_the_format_is_not_pickle() -> None:
     body = zlib.decompress(data[len(snapshot.MAGIC) + 32:])
     doc = json.loads(body)
     assert doc["classes"][doc["root"]["$o"]][0] == "ddpbus.orchestrator.snapshot:Snapshot"
+
+
+def test_a_long_run_keeps_its_state_the_size_of_the_cohort() -> None:
+    """Epochs that are aggregated, served and in the consensus everywhere keep only their
+    coverage ledger (no chunks, no per-chunk metrics) and the aggregate history only the
+    latest epoch's per-rank columns: 8x the epochs, not 8x the snapshot."""
+    sizes = {}
+    for epochs in (5, 40):
+        sim = Sim(schedule_from({"policy": "cadence", "batch_size": 8, "epochs": epochs}),
+                  (2.0, 3.0), dataset_size=640)
+        sim.run()
+        sizes[epochs] = len(snapshot.encode(_snap(sim), KEY))
+        assert all(p.closed is not None and not p.assignments
+                   for p in sim.state.pools.values())
+        summary = summarize(sim.state)
+        assert summary["coverage"]["exact"], summary["coverage"]
+        assert summary["coverage"]["batches"] == epochs * 80
+        assert not any(e.per_rank_compute_only_ms for e in sim.state.aggregated[:-1])
+        assert sum(summary["compute_ms"].values()) == pytest.approx(
+            sum(r.batches * r.ms_per_batch for r in sim.ranks))
+    assert sizes[40] < 2 * sizes[5], sizes
