@@ -33,11 +33,16 @@ def test_overhead_bench(tmp_path: Path) -> None:
     doc = _bench("overhead", tmp_path, "--rounds", "1", "--quick")
     (workload,) = doc["workloads"].values()  # type: ignore[attr-defined]
     assert 0 < workload["median_ratio"] < 2
+    assert 0 < workload["reports_alone_median_ratio"] < 2
+    (run,) = workload["runs"]
+    assert run["messages"] < run["reports_alone_messages"]  # coalesced: fewer messages
 
 
 def test_control_latency_bench(tmp_path: Path) -> None:
     doc = _bench("control_latency", tmp_path, "--rounds", "1")
     assert doc["syncnow_to_all_acks_ms"]["p50"] > 0  # type: ignore[index]
+    # from the decision it includes the write-ahead snapshot: never shorter
+    assert doc["decision_to_all_acks_ms"]["p50"] >= doc["syncnow_to_all_acks_ms"]["p50"]  # type: ignore[index]
     assert doc["request_reply_rtt_ms"]["idle_p50"] > 0  # type: ignore[index]
 
 
