@@ -44,6 +44,7 @@ from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import ConfigError, DdpbusError, DecodeError
 from ddpbus.orchestrator import bus
+from ddpbus.orchestrator.reports import ReportBuffer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -102,8 +103,10 @@ class SimRank:
     plans: deque[_Plan] = field(default_factory=deque)
     exited: bool = False
     scheduled: bool = False  # on the batch clock
-    reports: list[m.Batch] = field(default_factory=list)  # Batch reports not yet sent
-    reports_since: float = 0.0  # when the first of them was made
+    reports: ReportBuffer = field(init=False)  # Batch reports not yet sent (coalesced)
+
+    def __post_init__(self) -> None:
+        self.reports = ReportBuffer(self.rank)
 
     def can_train(self) -> bool:
         return (not self.exited and self.sessions > 0 and self.open and not self.throttled
@@ -226,22 +229,19 @@ class SimulatedCohort:
             self._flush_reports(r)
         self._emit(r, msg, durable=durable)
 
+    @staticmethod
+    def _interval(r: SimRank) -> float:
+        return r.run.report_interval_ms if r.run is not None else 0.0
+
     def _report(self, r: SimRank, batch: m.Batch, now: float, *, closing: bool) -> None:
-        """A Batch report, coalesced like a worker's: held while reports come faster than
-        the run's report interval, the window-closing one flushes them with an ack."""
-        if not r.reports:
-            r.reports_since = now
-        r.reports.append(batch)
-        interval = r.run.report_interval_ms / 1000.0 if r.run is not None else 0.0
-        if closing or now - r.reports_since >= interval or len(r.reports) >= m.MAX_REPORT_ITEMS:
+        """A Batch report, coalesced as a worker's (:mod:`ddpbus.orchestrator.reports`)."""
+        if r.reports.add([batch], now, self._interval(r), closing=closing):
             self._flush_reports(r, durable=closing)
 
     def _flush_reports(self, r: SimRank, *, durable: bool = False) -> None:
-        items, r.reports = r.reports, []
-        if len(items) == 1:
-            self._emit(r, items[0], durable=durable)
-        elif items:
-            self._emit(r, m.Reports(rank=r.rank, items=tuple(items)), durable=durable)
+        if r.reports.items:
+            for msg, acked in r.reports.take(self._interval(r), durable=durable):
+                self._emit(r, msg, durable=acked)
 
     def _emit(self, r: SimRank, msg: m.Message, *, durable: bool) -> None:
         if r.encoder is None:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store  # typed re-exports of dist.*
 
 from ddpbus.codecs import messages as m
+from ddpbus.orchestrator.reports import ReportBuffer
 from ddpbus.worker_agent import averaging, callbacks, checkpoint
 from ddpbus.worker_agent.data import BatchFetcher, plan_indices
 from ddpbus.worker_agent.spec import (
@@ -135,8 +136,7 @@ class Trainer(threading.Thread):
         super().__init__(name=f"ddpbus-trainer-{settings.rank}", daemon=True)
         self.spec, self.settings, self._outbox = spec, settings, outbox
         self._held: list[tuple[m.Message, bool]] = []
-        self._reports: list[m.Batch | m.LrUpdate] = []  # per-batch reports not yet sent
-        self._reports_since = 0.0  # when the first of them was made
+        self._reports = ReportBuffer(settings.rank)  # per-batch reports not yet sent
         self.rank = settings.rank
         self.inbox: queue.SimpleQueue[m.ControlMsg | Halt | Consensus] = queue.SimpleQueue()
         self.device = settings.device
@@ -232,27 +232,14 @@ class Trainer(threading.Thread):
         self._held.append((msg, durable))
 
     def _report(self, items: list[m.Batch | m.LrUpdate], now: float, *, closing: bool) -> None:
-        """Per-batch reports: held while they come faster than the run's report interval,
-        then queued as one Reports; a window-closing Batch flushes them at once, stored
-        with an ack (the coordinator's gate waits on it)."""
-        if not self._reports:
-            self._reports_since = now
-        self._reports += items
-        interval = self._run().report_interval_ms / 1000.0
-        if (closing or now - self._reports_since >= interval
-                or len(self._reports) > m.MAX_REPORT_ITEMS - 2):  # room for the next batch's
+        """Per-batch reports, coalesced (:mod:`ddpbus.orchestrator.reports`)."""
+        if self._reports.add(items, now, self._run().report_interval_ms, closing=closing):
             self.flush_reports(durable=closing)
 
     def flush_reports(self, *, durable: bool = False) -> None:
-        """Queue the held per-batch reports: one Reports, or a lone message as it is."""
-        items, self._reports = self._reports, []
-        if not items:
-            return
-        if len(items) > 1 and self._run().report_interval_ms > 0:
-            self._held.append((m.Reports(rank=self.rank, items=tuple(items)), durable))
-            return
-        for item in items:  # interval 0: every report alone, as the reference sends them
-            self._held.append((item, durable and isinstance(item, m.Batch)))
+        """Queue the held per-batch reports (one Reports, or a lone one as itself)."""
+        if self._reports.items:
+            self._held += self._reports.take(self._run().report_interval_ms, durable=durable)
 
     def release(self) -> None:
         """Hand queued reports to the agent's loop. Called while this thread is about to

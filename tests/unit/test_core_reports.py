@@ -12,6 +12,7 @@ import pytest
 from core_harness import Core, formed, records, refusals, sends
 
 from ddpbus.codecs import messages as m
+from ddpbus.orchestrator.reports import ReportBuffer
 from ddpbus.orchestrator.state import Command, Phase, Timing
 
 
@@ -108,3 +109,48 @@ def test_a_reports_of_a_stale_step_is_refused_item_by_item() -> None:
     before = (r.step, r.steps, r.compute_ms)
     assert refusals(core.feed(Timing(first))) == ["stale-batch", "stale-batch"]
     assert (r.step, r.steps, r.compute_ms) == before
+
+
+# ------------------------------------------------- the sender's rule (worker, simulate)
+
+
+def _b(step: int) -> m.Batch:
+    return m.Batch(rank=2, batch_ms=1.0, data_ms=0.0, step_count=step)
+
+
+def test_reports_are_held_until_the_interval_then_go_as_one() -> None:
+    buf = ReportBuffer(2)
+    lr = m.LrUpdate(rank=2, lr=0.1)
+    assert not buf.add([_b(1), lr], 8.0, 100.0, closing=False)
+    assert not buf.add([_b(2)], 8.0625, 100.0, closing=False)
+    assert buf.add([_b(3)], 8.125, 100.0, closing=False)  # the oldest is 125 ms old
+    assert buf.take(100.0, durable=False) == [
+        (m.Reports(rank=2, items=(_b(1), lr, _b(2), _b(3))), False)]
+    assert buf.items == []
+    assert not buf.add([_b(4)], 8.1875, 100.0, closing=False)  # a new interval begins
+
+
+def test_a_closing_batch_sends_at_once_with_an_ack() -> None:
+    buf = ReportBuffer(2)
+    buf.add([_b(1)], 0.0, 1000.0, closing=False)
+    assert buf.add([_b(2)], 0.001, 1000.0, closing=True)
+    assert buf.take(1000.0, durable=True) == [(m.Reports(rank=2, items=(_b(1), _b(2))), True)]
+
+
+def test_a_full_buffer_goes_before_it_outgrows_a_reports() -> None:
+    buf = ReportBuffer(2)
+    due = [buf.add([_b(i + 1), m.LrUpdate(rank=2, lr=1.0 / (i + 1))], 0.0, 1e9,
+                   closing=False) for i in range(m.MAX_REPORT_ITEMS // 2)]
+    assert due.index(True) == m.MAX_REPORT_ITEMS // 2 - 1  # at 256 items, never more
+    ((msg, _),) = buf.take(1e9, durable=False)
+    assert isinstance(msg, m.Reports)
+    assert len(msg.items) == m.MAX_REPORT_ITEMS
+
+
+def test_interval_zero_sends_every_report_alone_and_only_a_batch_acked() -> None:
+    buf = ReportBuffer(2)
+    lr = m.LrUpdate(rank=2, lr=0.1)
+    assert buf.add([_b(1), lr], 0.0, 0.0, closing=False)
+    assert buf.take(0.0, durable=True) == [(_b(1), True), (lr, False)]
+    buf.add([_b(2)], 0.0, 50.0, closing=True)  # a lone report goes as itself
+    assert buf.take(50.0, durable=True) == [(_b(2), True)]

@@ -1,0 +1,44 @@
+"""Coalesced per-batch reports: one rule for the worker's trainer and for ``ddpbus simulate``.
+
+A rank holds its per-batch reports (Batch, LrUpdate) while they come faster than the run's
+report interval and sends them as one ``TimingMsg.Reports`` once the oldest is that old, at
+``MAX_REPORT_ITEMS - 1`` items (room for a batch's two), or at once when a Batch closes its
+window (stored with an ack: the coordinator's gate waits on it). Whatever else the rank
+sends goes after the reports it holds, and a rank going idle sends them first
+(subjects.md, "Coalesced reports").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ddpbus.codecs import messages as m
+
+Report = m.Batch | m.LrUpdate
+
+
+@dataclass(slots=True)
+class ReportBuffer:
+    """The per-batch reports of ``rank`` not sent yet."""
+
+    rank: int
+    items: list[Report] = field(default_factory=list)
+    since: float = 0.0  # when the first of them was made (seconds, any monotonic clock)
+
+    def add(self, items: list[Report], now: float, interval_ms: float, *, closing: bool
+            ) -> bool:
+        """Hold ``items`` (made at ``now``); True when the buffer is due to go."""
+        if not self.items:
+            self.since = now
+        self.items += items
+        return (closing or (now - self.since) * 1000.0 >= interval_ms
+                or len(self.items) > m.MAX_REPORT_ITEMS - 2)
+
+    def take(self, interval_ms: float, *, durable: bool) -> list[tuple[m.Message, bool]]:
+        """Empty the buffer into ``(message, durable)`` pairs to send in order: one Reports,
+        or a lone report as itself (with interval 0 every report alone, as flodl sends
+        them; only a Batch ever needs the ack)."""
+        items, self.items = self.items, []
+        if len(items) > 1 and interval_ms > 0:
+            return [(m.Reports(rank=self.rank, items=tuple(items)), durable)]
+        return [(x, durable and isinstance(x, m.Batch)) for x in items]
