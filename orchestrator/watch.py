@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from ddpbus.codecs import DecodeError, Decoder, convert, tensor
+from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import ConfigError
 from ddpbus.orchestrator.auth import Access
@@ -80,7 +81,10 @@ class Filter:
 
 def plain(value: Any) -> Any:
     """A message's value as JSON-able data: dataclasses as objects, enums by name, bytes
-    as hex."""
+    as hex; a Reports' items each say their type."""
+    if isinstance(value, m.Reports):
+        return {"rank": value.rank, "items": [{"type": type(x).__name__, **plain(x)}
+                                              for x in value.items]}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, enum.Enum):
@@ -97,7 +101,10 @@ def plain(value: Any) -> Any:
 
 
 def key_fields(value: Any, prefix: str = "") -> list[str]:
-    """``name=value`` for every field, nested ones dotted; long lists and bytes shortened."""
+    """``name=value`` for every field, nested ones dotted; long lists and bytes shortened;
+    coalesced reports summarized (``--json`` shows every item)."""
+    if isinstance(value, m.Reports):
+        return _reports_fields(value)
     out: list[str] = []
     for f in dataclasses.fields(value):
         v = getattr(value, f.name)
@@ -111,6 +118,22 @@ def key_fields(value: Any, prefix: str = "") -> list[str]:
                        else f"{name}=[{','.join(_short(x) for x in v)}]")
         elif v is not None:
             out.append(f"{name}={_short(v)}")
+    return out
+
+
+def _reports_fields(r: m.Reports) -> list[str]:
+    """rank, batches, their step range, the last loss and LR among them."""
+    batches = m.batches(r)
+    lrs = [x.lr for x in r.items if isinstance(x, m.LrUpdate)]
+    losses = [b.batch_loss for b in batches if b.batch_loss is not None]
+    out = [f"rank={r.rank}", f"batches={len(batches)}"]
+    if batches:
+        out.append(f"steps={batches[0].step_count}..{batches[-1].step_count}")
+        out.append(f"batch_ms={_short(sum(b.batch_ms for b in batches) / len(batches))}")
+    if losses:
+        out.append(f"loss={_short(losses[-1])}")
+    if lrs:
+        out.append(f"lr={_short(lrs[-1])}")
     return out
 
 

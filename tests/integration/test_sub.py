@@ -64,6 +64,11 @@ async def record(url: str) -> None:
                                          payload)
     await js.publish(bad.subject, payload, headers=headers)
     await js.publish(sj.TIMING_RANK.subject("rec", 1), b"hello", headers={"x": "y"})
+    reports = rank0.encode(sj.TIMING_RANK.subject("rec", 0), m.Reports(rank=0, items=(
+        m.Batch(rank=0, batch_ms=1.5, data_ms=0.25, step_count=2, batch_loss=2.25),
+        m.LrUpdate(rank=0, lr=0.05),
+        m.Batch(rank=0, batch_ms=2.5, data_ms=0.25, step_count=3, batch_loss=2.0))))
+    await js.publish(reports.subject, reports.payload, headers=reports.headers)
     await nc.close()
 
 
@@ -104,7 +109,12 @@ def test_json_lines_and_filters(recorded: str, tmp_path: Path) -> None:
     only_control = sub(recorded, tmp_path, "ddpbus.rec.control.>", "--since", "1")
     assert only_control.count("\n") == 1
     assert "ControlMsg.SetGlobalStep" in only_control
-    assert sub(recorded, tmp_path, "--since", "1m").count("\n") == 8  # by age: all of it
+    assert sub(recorded, tmp_path, "--since", "1m").count("\n") == 9  # by age: all of it
+    (coalesced,) = [json.loads(x) for x in sub(recorded, tmp_path, "--since", "1", "--json",
+                                               "--type", "Reports").splitlines()]
+    assert [(x["type"], x.get("step_count"), x.get("lr")) for x in
+            coalesced["message"]["items"]] == [("Batch", 2, None), ("LrUpdate", None, 0.05),
+                                               ("Batch", 3, None)]
     assert sub(recorded, tmp_path, "--since", "2099-01-01T00:00:00Z") == ""  # by time
 
 
