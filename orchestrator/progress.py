@@ -25,6 +25,7 @@ from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 
 RATE_WINDOW_S = 3.0
+MIN_SPAN_S = 0.5  # a rate over less than this is too early to tell
 
 
 @dataclass
@@ -32,13 +33,18 @@ class RankView:
     batches: int = 0
     loss: float | None = None
     stamps: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    first: float | None = None  # when its first batch was seen
 
     def rate(self, now: float) -> float:
+        """Batches a second over the last RATE_WINDOW_S (or since the first batch): by
+        count over the window, since coalesced reports arrive in bursts that share a
+        stamp (a span between the first and last stamp would read one burst as a
+        second's work done in no time)."""
         while self.stamps and now - self.stamps[0] > RATE_WINDOW_S:
             self.stamps.popleft()
-        if len(self.stamps) < 2:
+        if not self.stamps or self.first is None:
             return 0.0
-        return (len(self.stamps) - 1) / max(self.stamps[-1] - self.stamps[0], 1e-6)
+        return len(self.stamps) / max(min(RATE_WINDOW_S, now - self.first), MIN_SPAN_S)
 
 
 class RunMonitor:
@@ -71,6 +77,7 @@ class RunMonitor:
                 view.batches += 1
                 view.loss = batch.batch_loss if batch.batch_loss is not None else view.loss
                 view.stamps.append(now)
+                view.first = now if view.first is None else view.first
         elif isinstance(body, m.Accept):
             self.run = body.run
         elif isinstance(body, m.StartEpoch):
