@@ -56,6 +56,18 @@ Outbox = Callable[[m.Message, bool], None]
 stream's store ack (per-batch reports only)."""
 
 
+def restart_group_names() -> None:
+    """torch names a default process group by a per-process counter, part of every store
+    key its rendezvous uses; a *failed* ``init_process_group`` advances it and only
+    destroying a formed group resets it. Two ranks whose failures differed (one timed out
+    on a session its dead peer never joined) would then wait on different keys in every
+    later session, forever. Each session has its own store prefix, so every rank starts
+    each one from zero, as a fresh process would."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and isinstance(getattr(world, "group_count", None), int):
+        world.group_count = 0
+
+
 @dataclass(frozen=True, slots=True)
 class Halt:
     """Put into the inbox by the agent: stop at the next batch boundary."""
@@ -349,6 +361,7 @@ class Trainer(threading.Thread):
             except Exception:  # a broken group may fail to tear down; it is gone either way
                 log.warning("rank %d: tearing down the process group failed", self.rank,
                             exc_info=True)
+        restart_group_names()
         self.group_ready = False
 
     def _on_declare_dead(self, msg: m.DeclareDead) -> Outcome | None:
