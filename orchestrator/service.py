@@ -8,12 +8,15 @@ the run summary. CoordHeartbeat goes out every second on live.coordinator, whate
 is doing. A message that fails decoding, signing or fencing is counted, logged once per
 reason, and never reaches the core.
 
-Resumability (see :mod:`.snapshot` and :mod:`.lease`): the shell holds the job's leader
-lease while it runs, and before publishing any command it stores a write-ahead snapshot of
-the core. A coordinator that starts on a job with progress (a restart, or a standby taking
-over) loads that snapshot, re-publishes its unstored commands verbatim, fences the old
-incarnation with a control message of its own, newer generation, and replays the stream
-after the snapshot through the same core.
+Resumability (see :mod:`.snapshot`, :mod:`.journal` and :mod:`.lease`): the shell holds the
+job's leader lease while it runs, and before publishing any command it stores a write-ahead
+record of the core: a full snapshot now and then, a journal segment (the events applied
+since the last write, with their times) in between. A coordinator that starts on a job with
+progress (a restart, or a standby taking over) re-writes the snapshot it loads (which fences
+the old incarnation's stores), replays the journal segments on it, re-publishes the
+unstored commands verbatim, fences the old incarnation on the bus with a control message of
+its own, newer generation, and replays the stream after the covered sequence through the
+same core.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from ddpbus.codecs import DecodeError, Decoder, Encoder, Outbound, convert
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
-from ddpbus.orchestrator import bundles, bus, reducer, rounds, snapshot
+from ddpbus.orchestrator import bundles, bus, journal, reducer, rounds, snapshot
 from ddpbus.orchestrator import resume as bundle_resume
 from ddpbus.orchestrator.auth import Access
 from ddpbus.orchestrator.config import describe
@@ -143,6 +146,7 @@ class Coordinator:
         self._events_file: IO[str] | None = None
         self._bus_down_since: float | None = None  # wall clock when the connection dropped
         self._snapshot_rev: int | None = None  # KV revision of the last snapshot written
+        self._loaded = b""  # the snapshot taken over, as stored (re-written to fence)
         self._background: set[asyncio.Task[None]] = set()
         self.metrics: CoordinatorMetrics | None = None  # with --metrics-port
         self._pending: int | None = None  # the coordinator consumer's backlog, last read
@@ -160,6 +164,9 @@ class Coordinator:
         # order, and the stream times of the inputs that led to them
         self._decided: list[Outbound] = []
         self._decided_at: list[tuple[float, bool]] = []  # (stored at, while training)
+        # every event applied since the last write, with the ``now`` it was decided at:
+        # the next journal segment (a full snapshot covers them instead)
+        self._applied: list[tuple[Event, float]] = []
         self._commit_wanted = asyncio.Event()
         self._committed = asyncio.Event()  # set while nothing decided waits for a snapshot
         self._committed.set()
@@ -199,6 +206,7 @@ class Coordinator:
         # a rank's older incarnation is fenced: below the generation admitted last
         self.decoder = Decoder(job=s.job, key=s.key, generation_floor=self._rank_floor)
         self.nc, self.publisher = nc, bus.Publisher(js)
+        self.journal = journal.Writer(js, sj.kv_bucket(s.job), s.key)
         self.reducer = reducer.Reducer(js, s.job, nc.max_payload)
         info = await js.stream_info(sj.stream_name(s.job))
         self.compactor = Compactor(nc, s.job, s.retention, lambda: self.state.members,
@@ -228,6 +236,7 @@ class Coordinator:
                                            "rank_rejections": {str(r): dict(c) for r, c in
                                                                self.rank_rejected.items()},
                                            "snapshots": self.snapshots,
+                                           "journal_segments": self.journal.written,
                                            "retention": self.compactor.report(),
                                            "resumed_from_seq": self.resumed_from,
                                            "replay_s": self.replay_s,
@@ -263,7 +272,7 @@ class Coordinator:
     async def _take_over(self, js: Any, kv: Any) -> snapshot.Snapshot | None:
         """Hold the lease, draw a generation, and load the predecessor's snapshot."""
         s = self.settings
-        self.kv = kv
+        self.kv, self.js = kv, js
         self.lease = Lease(kv, f"{socket.gethostname()}:{os.getpid()}", ttl=s.lease_ttl)
         try:
             await self.lease.take(wait=s.standby, on_wait=lambda h: log.info(
@@ -277,6 +286,8 @@ class Coordinator:
             s.events_path.parent.mkdir(parents=True, exist_ok=True)
             self._events_file = s.events_path.open("a", encoding="utf-8")
         snap = await self._load_snapshot(js, kv)
+        if snap is not None:
+            snap = await self._fence(kv, snap)
         if snap is None:
             if s.resume is not None:
                 await self._adopt_bundle(js, kv, s.resume)
@@ -370,10 +381,39 @@ class Coordinator:
             snap = snapshot.decode(data, self.settings.key)
         except snapshot.SnapshotError as exc:
             raise JobInUse(f"job {self.settings.job!r}: cannot resume: {exc}") from None
+        self._loaded = data
         if snap.state.config.world_size != self.config.world_size:
             raise JobInUse(f"job {self.settings.job!r} runs with world size "
                            f"{snap.state.config.world_size}, not {self.config.world_size}")
         return snap
+
+    async def _fence(self, kv: Any, snap: snapshot.Snapshot) -> snapshot.Snapshot:
+        """Re-write the loaded snapshot (compare-and-set), so the predecessor, should it
+        still run, can store nothing more (no snapshot, no journal segment: both expect
+        the revision it wrote); then extend it by the journal segments it had stored,
+        which can no longer grow."""
+        for _ in range(10):
+            try:
+                self._snapshot_rev = await bus.retry_while_away(
+                    lambda: self._store(self._loaded))
+                break
+            except KeyWrongLastSequenceError:  # it stored another one since: load that
+                again = await self._load_snapshot(self.js, kv)
+                if again is None:
+                    raise JobInUse(f"job {self.settings.job!r}: its snapshot vanished "
+                                   "while taking over") from None
+                snap = again
+        else:
+            raise JobInUse(f"job {self.settings.job!r}: another coordinator keeps writing "
+                           "its snapshot; is its lease broken?")
+        try:
+            segments = await journal.read(kv, snap.journal, self.settings.key)
+        except snapshot.SnapshotError as exc:
+            raise JobInUse(f"job {self.settings.job!r}: cannot resume: {exc}") from None
+        if segments:
+            log.info("replaying %d journal segments (%d events) after the snapshot",
+                     len(segments), sum(len(x.events) for x in segments))
+        return journal.extend(snap, segments)
 
     async def _adopt_bundle(self, js: Any, kv: Any, source: str) -> None:
         """``--resume``: check the bundle against this run, seed the core from its meta, and
@@ -419,10 +459,12 @@ class Coordinator:
     async def _snapshot(self, new: list[Outbound]) -> bool:
         """Store the write-ahead snapshot (retried while the broker is away); False when a
         newer coordinator has written one since ours: this one is deposed."""
+        generation = self.config.coordinator_generation
+        base = f"{generation}.{self.snapshots}"  # its journal segments' keys
         snap = snapshot.Snapshot(state=self.state, stream_seq=self.covered_seq,
                                  outbox=[*self.publisher.unstored(), *new],
-                                 coordinator_generation=self.config.coordinator_generation,
-                                 saved_at=self.clock())
+                                 coordinator_generation=generation, saved_at=self.clock(),
+                                 journal=base)
         data = snapshot.encode(snap, self.settings.key)
         try:
             self._snapshot_rev = await bus.retry_while_away(lambda: self._store(data))
@@ -432,6 +474,21 @@ class Coordinator:
             return False
         self.snapshots += 1
         self.compactor.stored(snap.stream_seq)
+        await self.journal.rebased(base, time.monotonic())
+        return True
+
+    async def _append(self, events: list[tuple[Event, float]], new: list[Outbound]) -> bool:
+        """Store a journal segment: ``events`` (everything applied since the last write)
+        and the commands ``new`` they led to; False when deposed."""
+        seg = journal.Segment(events=events, stream_seq=self.covered_seq, outbox=new,
+                              coordinator_generation=self.config.coordinator_generation,
+                              saved_at=self.clock())
+        try:
+            await self.journal.append(seg, self._snapshot_rev or 0, bus.retry_while_away)
+        except journal.Deposed as exc:
+            log.error("%s: deposed", exc)  # noqa: TRY400
+            self.lease.lost.set()
+            return False
         return True
 
     async def _store(self, data: bytes) -> int:
@@ -467,7 +524,12 @@ class Coordinator:
                 if self.lease.lost.is_set() or isinstance(event, Tick):
                     return
                 await asyncio.sleep(0.2)
-            self.state, commands = transition(self.state, event, self.clock())
+            now = self.clock()
+            self.state, commands = transition(self.state, event, now)
+            self._applied.append((event, now))
+            if len(self._applied) > journal.MAX_EVENTS:  # long without a command
+                self._applied.clear()
+                self.journal.force_full()
             if seq is not None:
                 self.covered_seq = seq
             outbound = self._carry_out(commands)
@@ -479,19 +541,29 @@ class Coordinator:
                 self._commit_wanted.set()
 
     async def _committer(self) -> None:
-        """Group commit: one snapshot covers every command decided since the last one.
+        """Group commit: one write covers every command decided since the last one.
 
-        The snapshot is encoded at once (no await between taking the batch and encoding:
-        the state is exactly the one that decided it); while its KV write is in flight
-        the core decides the next inputs, whose commands wait for the next snapshot. So a
-        burst of decisions (a thousand ranks' acks) costs a few snapshots, not one each."""
+        The write is a full snapshot at most once every ``journal.FULL_EVERY_S``, and a
+        journal segment (the events applied since the previous write) otherwise: its cost
+        follows the traffic, not the cohort. It is encoded at once (no await between
+        taking the batch and encoding: the state is exactly the one that decided it);
+        while its KV write is in flight the core decides the next inputs, whose commands
+        wait for the next write. So a burst of decisions (a thousand ranks' acks) costs a
+        few writes, not one each."""
         while True:
             await self._commit_wanted.wait()
             self._commit_wanted.clear()
             while self._decided:
                 batch, started = self._decided, self._decided_at
-                self._decided, self._decided_at = [], []
-                if not await self._snapshot(batch):
+                events = self._applied
+                self._decided, self._decided_at, self._applied = [], [], []
+                # a full snapshot now and then; in between, the events since the last
+                # write (no await before either encodes: the state is the deciding one)
+                if self.journal.full_due(time.monotonic(), len(events)):
+                    stored = await self._snapshot(batch)
+                else:
+                    stored = await self._append(events, batch)
+                if not stored:
                     return  # deposed: nothing of it is published
                 for out in batch:
                     self.publisher.submit(out)

@@ -54,6 +54,7 @@ class Snapshot:
     outbox: list[Outbound]  # commands decided and maybe not yet stored, in order
     coordinator_generation: int
     saved_at: float
+    journal: str = ""  # the journal base its segments extend (journal.py); "" for none
 
 
 def _path(cls: type) -> str:
@@ -241,7 +242,12 @@ def _class(path: str) -> type:
 
 
 def encode(snap: Snapshot, key: bytes) -> bytes:
-    text = json.dumps(_Encoder().document(snap), separators=(",", ":"))
+    return seal(snap, key)
+
+
+def seal(obj: object, key: bytes) -> bytes:
+    """``obj`` (a snapshot, or a journal segment) in the signed format."""
+    text = json.dumps(_Encoder().document(obj), separators=(",", ":"))
     body = zlib.compress(text.encode(), 3)
     return MAGIC + hmac.new(key, body, hashlib.sha256).digest() + body
 
@@ -255,6 +261,16 @@ def _load(magic: bytes, doc: Any) -> Any:
 
 
 def decode(data: bytes, key: bytes) -> Snapshot:
+    snap = unseal(data, key)
+    if not isinstance(snap, Snapshot):
+        raise SnapshotError("snapshot holds something else")
+    if not hasattr(snap, "journal"):  # written before the journal existed
+        snap.journal = ""
+    return snap
+
+
+def unseal(data: bytes, key: bytes) -> object:
+    """What :func:`seal` stored: the signature is checked first; nothing is unpickled."""
     magic = next((x for x in (MAGIC, *OLDER) if data.startswith(x)), None)
     if magic is None:
         raise SnapshotError("not a ddpbus coordinator snapshot (or an older format)")
@@ -267,6 +283,4 @@ def decode(data: bytes, key: bytes) -> Snapshot:
         raise
     except Exception as exc:
         raise SnapshotError(f"snapshot does not load: {exc}") from exc
-    if not isinstance(snap, Snapshot):
-        raise SnapshotError("snapshot holds something else")
     return snap

@@ -9,6 +9,7 @@ traffic there is and how far behind the coordinator reads. Nothing here writes a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import Any
@@ -18,7 +19,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
-from ddpbus.orchestrator import bundles, snapshot
+from ddpbus.orchestrator import bundles, journal, snapshot
 from ddpbus.orchestrator.auth import Access, access
 from ddpbus.orchestrator.lease import LEASE_KEY
 from ddpbus.orchestrator.lease import parse as parse_lease
@@ -91,6 +92,8 @@ async def gather(js: JetStreamContext, job: str, key: bytes) -> dict[str, Any]:
         out["phase"] = "not started (no coordinator snapshot yet)"
     else:
         snap = snapshot.decode(raw, key)
+        with contextlib.suppress(snapshot.SnapshotError):  # the snapshot alone, then
+            snap = journal.extend(snap, await journal.read(kv, snap.journal, key))
         out |= from_state(snap.state, now)
         out["snapshot"] = {"stream_seq": snap.stream_seq,
                            "age_s": round(now - snap.saved_at, 3)}

@@ -1,0 +1,165 @@
+"""The write-ahead journal: what the coordinator decided since its last full snapshot.
+
+A full snapshot (:mod:`.snapshot`) costs time linear in the cohort (at 1,024 ranks about
+60 ms of encoding), too much to write before every batch of commands while a thousand ranks
+report. So a full snapshot is written at most once every :data:`FULL_EVERY_S`; before any
+other batch of commands is published the shell stores a *segment*: the events the core
+applied since the previous write, each with the ``now`` it was decided at, the stream
+sequence they cover, and the batch itself (encoded, with their ``Nats-Msg-Id``). The core
+is a pure function of ``(state, event, now)``, so the snapshot plus its segments, replayed
+in order, is exactly the state that decided the last stored batch: the write-ahead rule
+holds with a write the size of the traffic since the last one, not of the cohort.
+
+Keys (the job's KV bucket): each full snapshot names a fresh journal *base*
+(``<generation>.<n>``); its segments are ``coordinator.journal.<base>.<i>``, i = 0, 1, ...
+A segment is written only while the snapshot key is still at the revision its writer
+stored (``Nats-Expected-Last-Subject-Sequence`` on the snapshot key's subject), so:
+
+- a coordinator taking over first re-writes the snapshot it loaded (compare-and-set), which
+  fences its predecessor: that one's next segment or snapshot write fails, and it stops
+  before publishing anything more; only then does it read the base's segments, which can
+  no longer grow;
+- after a full snapshot the keys of every older base are purged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError
+
+from ddpbus.codecs import Outbound
+from ddpbus.codecs.errors import DdpbusError
+from ddpbus.orchestrator import snapshot
+from ddpbus.orchestrator.core import transition
+from ddpbus.orchestrator.state import Event, State
+
+log = logging.getLogger(__name__)
+
+PREFIX: Final = "coordinator.journal"
+FULL_EVERY_S: Final = 1.0  # a full snapshot at most this long after the previous one
+MAX_EVENTS: Final = 50_000  # applied without any write: the next write is a full one
+MAX_SEGMENTS: Final = 1_000  # on one base: the next write is a full one
+WRONG_LAST_SEQUENCE: Final = 10071  # JetStream's error code for a failed expectation
+
+Retry = Callable[[Callable[[], Awaitable[Any]]], Awaitable[Any]]
+
+
+class Deposed(DdpbusError, RuntimeError):
+    """A newer coordinator re-wrote the snapshot: this one must publish nothing more."""
+
+
+@dataclasses.dataclass(slots=True)
+class Segment:
+    events: list[tuple[Event, float]]  # (event, the ``now`` it was decided at), in order
+    stream_seq: int  # the last stream input covered once these are applied
+    outbox: list[Outbound]  # the commands they led to, in order
+    coordinator_generation: int
+    saved_at: float
+
+
+def key(base: str, index: int) -> str:
+    return f"{PREFIX}.{base}.{index}"
+
+
+def replay(state: State, segments: list[Segment]) -> State:
+    """``state`` after every segment's events, decided at their recorded times (the
+    commands they led to are in the segments: nothing is decided anew)."""
+    for seg in segments:
+        for event, now in seg.events:
+            state, _ = transition(state, event, now)
+    return state
+
+
+def extend(snap: snapshot.Snapshot, segments: list[Segment]) -> snapshot.Snapshot:
+    """The snapshot as of its last segment: the replayed state, the covered sequence, and
+    every command that may not be stored yet (the snapshot's outbox, then each segment's
+    batch, in order: JetStream drops those already stored, by message id)."""
+    if not segments:
+        return snap
+    last = segments[-1]
+    return snapshot.Snapshot(state=replay(snap.state, segments), stream_seq=last.stream_seq,
+                             outbox=[*snap.outbox, *(o for s in segments for o in s.outbox)],
+                             coordinator_generation=last.coordinator_generation,
+                             saved_at=last.saved_at, journal=snap.journal)
+
+
+def decode(data: bytes, secret: bytes) -> Segment:
+    seg = snapshot.unseal(data, secret)
+    if not isinstance(seg, Segment):
+        raise snapshot.SnapshotError("journal segment holds something else")
+    return seg
+
+
+async def read(kv: Any, base: str, secret: bytes) -> list[Segment]:
+    """The segments of ``base``, from 0 up to the first missing index."""
+    out: list[Segment] = []
+    if not base:
+        return out
+    while True:
+        try:
+            entry = await kv.get(key(base, len(out)))
+        except KeyNotFoundError:
+            return out
+        if not entry.value:
+            return out
+        out.append(decode(entry.value, secret))
+
+
+class Writer:
+    """Appends segments to the base of the latest full snapshot."""
+
+    def __init__(self, js: Any, bucket: str, secret: bytes) -> None:
+        self.js, self.bucket, self.secret = js, bucket, secret
+        self.base: str | None = None  # None: the next write must be a full snapshot
+        self.index = 0
+        self.full_at = float("-inf")  # when the base was stored (monotonic seconds)
+        self.written = 0  # segments stored, over the coordinator's life
+
+    def full_due(self, now: float, events: int) -> bool:
+        return (self.base is None or now - self.full_at >= FULL_EVERY_S
+                or self.index >= MAX_SEGMENTS or events > MAX_EVENTS)
+
+    def force_full(self) -> None:
+        self.base = None
+
+    async def rebased(self, base: str, now: float) -> None:
+        """A full snapshot naming ``base`` is stored: drop every older base's segments
+        (none of ``base`` exists yet: the committer writes them after this returns)."""
+        self.base, self.index, self.full_at = base, 0, now
+        try:
+            await self.js.purge_stream(f"KV_{self.bucket}",
+                                       subject=f"$KV.{self.bucket}.{PREFIX}.>")
+        except (OSError, TimeoutError, APIError) as exc:  # garbage, purged next time
+            log.warning("could not purge old journal segments: %s", exc)
+
+    async def append(self, seg: Segment, snapshot_rev: int, retry: Retry) -> None:
+        """Store ``seg`` as the base's next segment, if the snapshot key is still at
+        ``snapshot_rev`` (:class:`Deposed` otherwise)."""
+        if self.base is None:
+            raise RuntimeError("no full snapshot to extend")
+        name = key(self.base, self.index)
+        data = snapshot.seal(seg, self.secret)
+        headers = {"Nats-Expected-Last-Subject-Sequence": str(snapshot_rev),
+                   "Nats-Expected-Last-Subject-Sequence-Subject":
+                       f"$KV.{self.bucket}.{snapshot.SNAPSHOT_KEY}",
+                   "Nats-Msg-Id": f"{self.bucket}.{name}"}  # a retry after a lost ack
+
+        async def put() -> None:
+            try:
+                await self.js.publish(f"$KV.{self.bucket}.{name}", data, headers=headers)
+            except APIError as exc:
+                if exc.err_code == WRONG_LAST_SEQUENCE:
+                    raise KeyWrongLastSequenceError(description=exc.description) from None
+                raise
+
+        try:
+            await retry(put)
+        except KeyWrongLastSequenceError:
+            raise Deposed(f"the snapshot key moved past revision {snapshot_rev}: a newer "
+                          "coordinator took over") from None
+        self.index += 1
+        self.written += 1
