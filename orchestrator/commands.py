@@ -167,6 +167,10 @@ def add_parsers(sub: Any) -> None:
     coord.add_argument("--lease-ttl", type=_seconds, default=None,
                        help="leader lease time-to-live in seconds (default 5; renewed every "
                        "third of it)")
+    coord.add_argument("--snapshot-every", type=_nonneg_seconds, default=None, metavar="S",
+                       help="write the full write-ahead snapshot at most every S seconds "
+                       "(default 1), a journal segment of the events since before other "
+                       "publishes; 0: a full snapshot before every publish")
     coord.add_argument("--wire-json", action="store_true",
                        help="publish proto3 JSON payloads (readable in `nats sub`)")
     coord.add_argument("--report", type=Path, metavar="DIR", help="at the end, write the run "
@@ -454,6 +458,7 @@ def load_schedule(args: argparse.Namespace) -> tuple[Any, Schedule]:
 
 
 def run_coordinator(args: argparse.Namespace) -> int:
+    from ddpbus.orchestrator import journal
     from ddpbus.orchestrator.retention import Retention
     from ddpbus.orchestrator.service import Coordinator, CoordinatorSettings
     from ddpbus.orchestrator.state import CoreConfig
@@ -479,7 +484,10 @@ def run_coordinator(args: argparse.Namespace) -> int:
                                    wire_json=args.wire_json, standby=args.standby,
                                    lease_ttl=args.lease_ttl or 5.0, resume=args.resume,
                                    metrics_port=args.metrics_port, report_dir=args.report,
-                                   retention=retention, stream_max_bytes=args.stream_max_bytes)
+                                   retention=retention, stream_max_bytes=args.stream_max_bytes,
+                                   snapshot_every=(journal.FULL_EVERY_S
+                                                   if args.snapshot_every is None
+                                                   else args.snapshot_every))
     return asyncio.run(Coordinator(settings, config).run())
 
 

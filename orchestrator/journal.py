@@ -112,15 +112,16 @@ async def read(kv: Any, base: str, secret: bytes) -> list[Segment]:
 class Writer:
     """Appends segments to the base of the latest full snapshot."""
 
-    def __init__(self, js: Any, bucket: str, secret: bytes) -> None:
-        self.js, self.bucket, self.secret = js, bucket, secret
+    def __init__(self, js: Any, bucket: str, secret: bytes, *,
+                 every: float = FULL_EVERY_S) -> None:
+        self.js, self.bucket, self.secret, self.every = js, bucket, secret, every
         self.base: str | None = None  # None: the next write must be a full snapshot
         self.index = 0
         self.full_at = float("-inf")  # when the base was stored (monotonic seconds)
         self.written = 0  # segments stored, over the coordinator's life
 
     def full_due(self, now: float, events: int) -> bool:
-        return (self.base is None or now - self.full_at >= FULL_EVERY_S
+        return (self.base is None or now - self.full_at >= self.every
                 or self.index >= MAX_SEGMENTS or events > MAX_EVENTS)
 
     def force_full(self) -> None:

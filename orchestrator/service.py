@@ -104,6 +104,7 @@ class CoordinatorSettings:
     metrics_host: str = "0.0.0.0"  # noqa: S104 - a pod's port; `ddpbus run` uses loopback
     retention: Retention = dataclasses.field(default_factory=Retention)  # what may go
     stream_max_bytes: int | None = None  # the stream's backstop limit (None: leave it)
+    snapshot_every: float = journal.FULL_EVERY_S  # full snapshots at most this often
 
 
 EXIT_DEPOSED = 3
@@ -147,6 +148,7 @@ class Coordinator:
         self._bus_down_since: float | None = None  # wall clock when the connection dropped
         self._snapshot_rev: int | None = None  # KV revision of the last snapshot written
         self._loaded = b""  # the snapshot taken over, as stored (re-written to fence)
+        self._replayed = (0, 0)  # journal segments and events replayed on it
         self._background: set[asyncio.Task[None]] = set()
         self.metrics: CoordinatorMetrics | None = None  # with --metrics-port
         self._pending: int | None = None  # the coordinator consumer's backlog, last read
@@ -206,7 +208,8 @@ class Coordinator:
         # a rank's older incarnation is fenced: below the generation admitted last
         self.decoder = Decoder(job=s.job, key=s.key, generation_floor=self._rank_floor)
         self.nc, self.publisher = nc, bus.Publisher(js)
-        self.journal = journal.Writer(js, sj.kv_bucket(s.job), s.key)
+        self.journal = journal.Writer(js, sj.kv_bucket(s.job), s.key,
+                                      every=s.snapshot_every)
         self.reducer = reducer.Reducer(js, s.job, nc.max_payload)
         info = await js.stream_info(sj.stream_name(s.job))
         self.compactor = Compactor(nc, s.job, s.retention, lambda: self.state.members,
@@ -410,9 +413,10 @@ class Coordinator:
             segments = await journal.read(kv, snap.journal, self.settings.key)
         except snapshot.SnapshotError as exc:
             raise JobInUse(f"job {self.settings.job!r}: cannot resume: {exc}") from None
+        self._replayed = (len(segments), sum(len(x.events) for x in segments))
         if segments:
             log.info("replaying %d journal segments (%d events) after the snapshot",
-                     len(segments), sum(len(x.events) for x in segments))
+                     *self._replayed)
         return journal.extend(snap, segments)
 
     async def _adopt_bundle(self, js: Any, kv: Any, source: str) -> None:
@@ -444,6 +448,7 @@ class Coordinator:
             "generation": self.config.coordinator_generation,
             "from_generation": snap.coordinator_generation, "stream_seq": snap.stream_seq,
             "phase": state.phase.value, "outbox": len(snap.outbox),
+            "journal_segments": self._replayed[0], "journal_events": self._replayed[1],
             "away_s": round(now - snap.saved_at, 3)}))
 
     async def _rewind_consumer(self, js: Any, start_seq: int) -> None:
@@ -489,6 +494,7 @@ class Coordinator:
             log.error("%s: deposed", exc)  # noqa: TRY400
             self.lease.lost.set()
             return False
+        self.compactor.stored(seg.stream_seq)  # the events are in the journal now
         return True
 
     async def _store(self, data: bytes) -> int:

@@ -272,10 +272,12 @@ def test_a_stopped_worker_is_fenced_when_it_wakes(broker: EmbeddedBroker, tmp_pa
 @pytest.mark.parametrize("attempt", REPEAT)
 def test_a_killed_coordinator_restarted_resumes_from_its_snapshot(
         broker: EmbeddedBroker, tmp_path: Path, attempt: int, backend: str) -> None:
-    # the telemetry below its snapshot is purged by then (compacted every half second)
+    # the telemetry below its journal is purged by then (compacted every half second); one
+    # full snapshot at the start, journal segments after it: the takeover replays them
     job, ledger = run_job(broker, tmp_path, 2, f"coord-{backend}-{attempt}",
                           worker_args={0: ["--slowdown", "3"], 1: ["--slowdown", "3"]},
-                          coordinator_args=["--backend", backend, *COMPACT_HARD])
+                          coordinator_args=["--backend", backend, "--snapshot-every", "3600",
+                                            *COMPACT_HARD])
     wait_for("rank 0 to train 4 epochs", lambda: trained_epochs(ledger, 0) >= 4)
     first = job.procs["coordinator"]
     first.send_signal(signal.SIGKILL)
@@ -286,6 +288,7 @@ def test_a_killed_coordinator_restarted_resumes_from_its_snapshot(
     events = finish(job, failed={"coordinator": -signal.SIGKILL})
     [resumed] = of(events, "coordinator-resumed")
     assert resumed["generation"] == resumed["from_generation"] + 1
+    assert resumed["journal_segments"] > 0 and resumed["journal_events"] > 0
     assert not of(events, "rank-dead")  # nobody was lost while it was away
     summary = recovered(job, ledger, events, {}, [0, 1])
     assert summary["resumed_from_seq"] == resumed["stream_seq"]
