@@ -58,6 +58,10 @@ class Pool:
     # set by compact(): the epoch's final ledger, in place of its assignments (a long run
     # keeps one small record per epoch, not every chunk of every rank with its metrics)
     closed: dict[str, Any] | None = None
+    # the first ``settled`` assignments are trained and reported, for good (batches only
+    # add up, metrics arrive once, a dead rank's plan is cut to what it trained): the
+    # checks below resume from there, so a thousand ranks' metrics do not rescan the pool
+    settled: int = 0
 
     @property
     def remaining(self) -> int:
@@ -67,16 +71,28 @@ class Pool:
     def exhausted(self) -> bool:
         return self.cursor >= self.total
 
+    def _settle(self) -> int:
+        items, i = self.assignments, self.settled
+        while i < len(items):
+            a = items[i][1]
+            if not (a.complete and (a.metrics is not None or a.orphaned)):
+                break
+            i += 1
+        self.settled = i
+        return i
+
     @property
     def trained(self) -> bool:
         """Every batch handed out and trained."""
-        return self.exhausted and all(a.complete for _, a in self.assignments)
+        if not self.exhausted:
+            return False
+        items = self.assignments
+        return all(items[i][1].complete for i in range(self._settle(), len(items)))
 
     @property
     def reported(self) -> bool:
         """Trained, and every assignment's metrics arrived: ready to aggregate."""
-        return self.trained and all(a.metrics is not None or a.orphaned
-                                    for _, a in self.assignments)
+        return self.exhausted and self._settle() == len(self.assignments)
 
     def take(self, rank: int, size: int, now: float) -> Assignment | None:
         size = min(size, self.remaining)
@@ -98,6 +114,7 @@ class Pool:
 
     def drop(self, a: Assignment) -> None:
         self.assignments = [(r, x) for r, x in self.assignments if x is not a]
+        self.settled = 0
 
     def coverage_gaps(self) -> list[tuple[int, int]]:
         """Where the assignments fail to tile ``[0, cursor)`` exactly once: ``(batch,
@@ -122,6 +139,7 @@ class Pool:
         every batch is in a completed average (nothing can reassign any of it any more)."""
         self.closed = self.ledger()
         self.assignments = []
+        self.settled = 0
 
     def ledger(self) -> dict[str, Any]:
         """The epoch's proof of coverage: the batches trained into the consensus (each

@@ -207,6 +207,7 @@ class _Decoder:
             self.objects[int(x["id"])] = obj
             for name, value in x["f"].items():
                 object.__setattr__(obj, name, self(value))
+            _fill_defaults(obj, list(x["f"]))
             return obj
         if type(index) is not int or not 0 <= index < len(self.table):
             raise SnapshotError(f"snapshot object of unknown class {index!r}")
@@ -219,7 +220,31 @@ class _Decoder:
         self.objects[len(self.objects)] = obj
         for name, value in zip(names, values, strict=True):
             object.__setattr__(obj, name, self(value))
+        _fill_defaults(obj, names)
         return obj
+
+
+_MISSING: dict[tuple[type, tuple[str, ...]], list[dataclasses.Field[Any]]] = {}
+
+
+def _fill_defaults(obj: object, names: list[str]) -> None:
+    """A field the snapshot does not name (written by an older ddpbus, before the field
+    existed) takes its declared default; a field without one stays a load error."""
+    cls = type(obj)
+    if not dataclasses.is_dataclass(cls):
+        return
+    key = (cls, tuple(names))
+    missing = _MISSING.get(key)
+    if missing is None:
+        missing = [f for f in dataclasses.fields(cls) if f.name not in names]
+        for f in missing:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise SnapshotError(f"snapshot {cls.__qualname__} lacks field {f.name}")
+        _MISSING[key] = missing
+    for f in missing:
+        factory: Any = f.default_factory
+        value = f.default if f.default is not dataclasses.MISSING else factory()
+        object.__setattr__(obj, f.name, value)
 
 
 def _enum(x: dict[str, Any]) -> enum.Enum:
@@ -264,8 +289,6 @@ def decode(data: bytes, key: bytes) -> Snapshot:
     snap = unseal(data, key)
     if not isinstance(snap, Snapshot):
         raise SnapshotError("snapshot holds something else")
-    if not hasattr(snap, "journal"):  # written before the journal existed
-        snap.journal = ""
     return snap
 
 

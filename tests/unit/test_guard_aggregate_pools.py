@@ -10,7 +10,7 @@ from ddpbus.codecs import messages as m
 from ddpbus.orchestrator.aggregate import aggregate_epoch
 from ddpbus.orchestrator.elche import STABLE, Verdict
 from ddpbus.orchestrator.guard import TrendGuard, cosine
-from ddpbus.orchestrator.pools import Pool, equal_split, proportional_split
+from ddpbus.orchestrator.pools import Assignment, Pool, equal_split, proportional_split
 
 # ----------------------------------------------------------------------- guard
 
@@ -229,6 +229,60 @@ def test_pool_trained_then_reported() -> None:
                                          epoch_ms=1.0, samples_processed=3)
     assert pool.reported
     assert set(pool.chunks()) == {0, 1}
+
+
+def _report(a: Assignment) -> None:
+    a.done = a.size
+    a.metrics = m.MetricsMsg(rank=0, epoch=a.epoch, avg_loss=1.0, batches_processed=a.size,
+                             epoch_ms=1.0, samples_processed=a.size)
+
+
+def test_a_reported_prefix_is_not_examined_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thousand ranks' metrics, each followed by the aggregation check: the check resumes
+    after the assignments already settled instead of rescanning the pool each time."""
+    pool = Pool(epoch=0, total=1000)
+    plans = [pool.take(r, 1, now=0.0) for r in range(1000)]
+    looked = 0
+    real = Assignment.complete
+
+    def complete(a: Assignment) -> bool:
+        nonlocal looked
+        looked += 1
+        return real.fget(a)  # type: ignore[attr-defined,no-any-return]
+
+    monkeypatch.setattr(Assignment, "complete", property(complete))
+    for a in plans:
+        assert a is not None
+        assert not pool.reported
+        _report(a)
+    assert pool.reported
+    assert pool.trained
+    assert looked <= 3 * len(plans), looked  # linear over the epoch, not quadratic
+
+
+def test_a_dropped_plan_or_an_orphan_keeps_the_checks_right() -> None:
+    pool = Pool(epoch=0, total=4)
+    a, b, c = pool.take(0, 1, now=0.0), pool.take(1, 2, now=0.0), pool.take(2, 1, now=0.0)
+    assert a is not None
+    assert b is not None
+    assert c is not None
+    _report(a)
+    _report(c)
+    assert not pool.reported
+    assert not pool.trained
+    assert pool.settled == 1
+    b.done = 1  # its rank died after one batch: cut to it, metrics never come
+    b.size, b.orphaned = 1, True
+    assert pool.trained
+    assert pool.reported
+    pool.drop(c)  # (as a death does for a plan with nothing averaged)
+    assert pool.settled == 0
+    assert pool.reported
+    d = pool.reassign(3, c.offset, c.size)
+    assert not pool.trained
+    _report(d)
+    assert pool.reported
+    assert pool.settled == 3
 
 
 def test_assignment_plan_is_in_samples() -> None:
