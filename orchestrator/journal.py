@@ -2,8 +2,11 @@
 
 A full snapshot (:mod:`.snapshot`) costs time linear in the cohort (at 1,024 ranks about
 60 ms of encoding), too much to write before every batch of commands while a thousand ranks
-report. So a full snapshot is written at most once every :data:`FULL_EVERY_S`; before any
-other batch of commands is published the shell stores a *segment*: the events the core
+report. So a full snapshot is written about once every :data:`FULL_EVERY_S`, at a quiet
+moment (just after an average was called: the window's gate is the decision everyone
+waits for, and the next one is a window away), or once :data:`OVERDUE` intervals late
+whatever is happening; before any other batch of commands is published the shell stores a
+*segment*: the events the core
 applied since the previous write, each with the ``now`` it was decided at, the stream
 sequence they cover, and the batch itself (encoded, with their ``Nats-Msg-Id``). The core
 is a pure function of ``(state, event, now)``, so the snapshot plus its segments, replayed
@@ -31,17 +34,21 @@ from typing import Any, Final
 
 from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError
 
-from ddpbus.codecs import Outbound
+from ddpbus.codecs import DecodeError, Decoder, Outbound
+from ddpbus.codecs import messages as m
 from ddpbus.codecs.errors import DdpbusError
 from ddpbus.orchestrator import snapshot
 from ddpbus.orchestrator.core import transition
-from ddpbus.orchestrator.state import Event, State
+from ddpbus.orchestrator.state import Event, Joined, Metrics, State, Timing
 
 log = logging.getLogger(__name__)
 
 PREFIX: Final = "coordinator.journal"
-FULL_EVERY_S: Final = 1.0  # a full snapshot at most this long after the previous one
+FULL_EVERY_S: Final = 1.0  # a full snapshot wanted this long after the previous one
+OVERDUE: Final = 5.0  # ... and forced this many intervals after it, quiet moment or not
 MAX_EVENTS: Final = 50_000  # applied without any write: the next write is a full one
+FLUSH_EVENTS: Final = 512  # applied without a command: journal them anyway (so the write
+# before the next command, often a window's gate, carries little)
 MAX_SEGMENTS: Final = 1_000  # on one base: the next write is a full one
 WRONG_LAST_SEQUENCE: Final = 10071  # JetStream's error code for a failed expectation
 
@@ -52,9 +59,44 @@ class Deposed(DdpbusError, RuntimeError):
     """A newer coordinator re-wrote the snapshot: this one must publish nothing more."""
 
 
+def event_of(body: m.Message, msg_id: str = "") -> Event:
+    """The core event a decoded stream message becomes (``msg_id``: its Nats-Msg-Id)."""
+    if isinstance(body, m.MetricsMsg):
+        return Metrics(body, msg_id)
+    if isinstance(body, m.Hello | m.Rejoin):
+        return Joined(body, msg_id)
+    return Timing(body, msg_id)  # type: ignore[arg-type]  # the core refuses a misfiled one
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Wire:
+    """A message event as it came off the bus (signed bytes: cheaper to journal than the
+    decoded tree, and re-verified when replayed). ``stream``: from the job stream (its
+    message id deduplicates); otherwise a live heartbeat."""
+
+    subject: str
+    headers: dict[str, str]
+    payload: bytes
+    stream: bool
+
+    def event(self, decoder: Decoder) -> Event:
+        try:
+            env = decoder.decode(self.subject, self.headers, self.payload)
+        except DecodeError as exc:
+            raise snapshot.SnapshotError(f"journal holds a message that does not decode: "
+                                         f"{exc}") from None
+        return event_of(env.message, env.msg_id if self.stream else "")  # type: ignore[arg-type]
+
+
+def decoder(job: str, secret: bytes) -> Decoder:
+    """What replays a journal's messages: they passed every fence when first applied."""
+    return Decoder(job=job, key=secret)
+
+
 @dataclasses.dataclass(slots=True)
 class Segment:
-    events: list[tuple[Event, float]]  # (event, the ``now`` it was decided at), in order
+    # (event, the ``now`` it was decided at), in order; a message event as its wire bytes
+    events: list[tuple[Event | Wire, float]]
     stream_seq: int  # the last stream input covered once these are applied
     outbox: list[Outbound]  # the commands they led to, in order
     coordinator_generation: int
@@ -65,23 +107,26 @@ def key(base: str, index: int) -> str:
     return f"{PREFIX}.{base}.{index}"
 
 
-def replay(state: State, segments: list[Segment]) -> State:
+def replay(state: State, segments: list[Segment], decoder: Decoder) -> State:
     """``state`` after every segment's events, decided at their recorded times (the
     commands they led to are in the segments: nothing is decided anew)."""
     for seg in segments:
-        for event, now in seg.events:
+        for item, now in seg.events:
+            event = item.event(decoder) if isinstance(item, Wire) else item
             state, _ = transition(state, event, now)
     return state
 
 
-def extend(snap: snapshot.Snapshot, segments: list[Segment]) -> snapshot.Snapshot:
+def extend(snap: snapshot.Snapshot, segments: list[Segment], decoder: Decoder
+           ) -> snapshot.Snapshot:
     """The snapshot as of its last segment: the replayed state, the covered sequence, and
     every command that may not be stored yet (the snapshot's outbox, then each segment's
     batch, in order: JetStream drops those already stored, by message id)."""
     if not segments:
         return snap
     last = segments[-1]
-    return snapshot.Snapshot(state=replay(snap.state, segments), stream_seq=last.stream_seq,
+    return snapshot.Snapshot(state=replay(snap.state, segments, decoder),
+                             stream_seq=last.stream_seq,
                              outbox=[*snap.outbox, *(o for s in segments for o in s.outbox)],
                              coordinator_generation=last.coordinator_generation,
                              saved_at=last.saved_at, journal=snap.journal)
@@ -120,8 +165,13 @@ class Writer:
         self.full_at = float("-inf")  # when the base was stored (monotonic seconds)
         self.written = 0  # segments stored, over the coordinator's life
 
+    def wanted(self, now: float) -> bool:
+        """A full snapshot is due at the next quiet moment."""
+        return now - self.full_at >= self.every
+
     def full_due(self, now: float, events: int) -> bool:
-        return (self.base is None or now - self.full_at >= self.every
+        """The next write must be a full snapshot, whatever it delays."""
+        return (self.base is None or now - self.full_at >= self.every * OVERDUE
                 or self.index >= MAX_SEGMENTS or events > MAX_EVENTS)
 
     def force_full(self) -> None:

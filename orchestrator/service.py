@@ -62,8 +62,6 @@ from ddpbus.orchestrator.state import (
     CoreConfig,
     Event,
     Finish,
-    Joined,
-    Metrics,
     Phase,
     Record,
     Reduce,
@@ -168,7 +166,7 @@ class Coordinator:
         self._decided_at: list[tuple[float, bool]] = []  # (stored at, while training)
         # every event applied since the last write, with the ``now`` it was decided at:
         # the next journal segment (a full snapshot covers them instead)
-        self._applied: list[tuple[Event, float]] = []
+        self._applied: list[tuple[Event | journal.Wire, float]] = []
         self._commit_wanted = asyncio.Event()
         self._committed = asyncio.Event()  # set while nothing decided waits for a snapshot
         self._committed.set()
@@ -417,7 +415,8 @@ class Coordinator:
         if segments:
             log.info("replaying %d journal segments (%d events) after the snapshot",
                      *self._replayed)
-        return journal.extend(snap, segments)
+        return journal.extend(snap, segments, journal.decoder(self.settings.job,
+                                                              self.settings.key))
 
     async def _adopt_bundle(self, js: Any, kv: Any, source: str) -> None:
         """``--resume``: check the bundle against this run, seed the core from its meta, and
@@ -482,7 +481,8 @@ class Coordinator:
         await self.journal.rebased(base, time.monotonic())
         return True
 
-    async def _append(self, events: list[tuple[Event, float]], new: list[Outbound]) -> bool:
+    async def _append(self, events: list[tuple[Event | journal.Wire, float]],
+                      new: list[Outbound]) -> bool:
         """Store a journal segment: ``events`` (everything applied since the last write)
         and the commands ``new`` they led to; False when deposed."""
         seg = journal.Segment(events=events, stream_seq=self.covered_seq, outbox=new,
@@ -518,11 +518,11 @@ class Coordinator:
     # ------------------------------------------------------------------ events
 
     async def apply(self, event: Event, seq: int | None = None,
-                    stored_at: float | None = None) -> None:
+                    stored_at: float | None = None, wire: journal.Wire | None = None) -> None:
         """Run one event through the core. Its commands are published by the committer,
-        in order, once a snapshot that covers them is stored (write-ahead); meanwhile the
+        in order, once a write-ahead record that covers them is stored; meanwhile the
         next inputs are decided. ``stored_at``: the input's stream time, for the decision
-        latency."""
+        latency; ``wire``: the message as it came, which the journal keeps for it."""
         async with self._lock:
             while not await self.lease.confirm():
                 # deposed, or the lease cannot be proven (paused? broker away?): decide
@@ -532,10 +532,12 @@ class Coordinator:
                 await asyncio.sleep(0.2)
             now = self.clock()
             self.state, commands = transition(self.state, event, now)
-            self._applied.append((event, now))
-            if len(self._applied) > journal.MAX_EVENTS:  # long without a command
+            self._applied.append((wire or event, now))
+            if len(self._applied) > journal.MAX_EVENTS:  # long without any write
                 self._applied.clear()
                 self.journal.force_full()
+            elif len(self._applied) == journal.FLUSH_EVENTS:
+                self._commit_wanted.set()  # a segment of them, ahead of the next command
             if seq is not None:
                 self.covered_seq = seq
             outbound = self._carry_out(commands)
@@ -549,9 +551,11 @@ class Coordinator:
     async def _committer(self) -> None:
         """Group commit: one write covers every command decided since the last one.
 
-        The write is a full snapshot at most once every ``journal.FULL_EVERY_S``, and a
-        journal segment (the events applied since the previous write) otherwise: its cost
-        follows the traffic, not the cohort. It is encoded at once (no await between
+        The write is a journal segment (the events applied since the previous write: its
+        cost follows the traffic, not the cohort), and a full snapshot about once every
+        ``--snapshot-every`` seconds, written right after a batch that called an average
+        (a quiet moment: the next gate is a window away) or when overdue. It is encoded
+        at once (no await between
         taking the batch and encoding: the state is exactly the one that decided it);
         while its KV write is in flight the core decides the next inputs, whose commands
         wait for the next write. So a burst of decisions (a thousand ranks' acks) costs a
@@ -559,13 +563,15 @@ class Coordinator:
         while True:
             await self._commit_wanted.wait()
             self._commit_wanted.clear()
-            while self._decided:
+            rebase = False  # a full snapshot now, with whatever is decided meanwhile
+            while (self._decided or rebase
+                   or len(self._applied) >= journal.FLUSH_EVENTS):
                 batch, started = self._decided, self._decided_at
                 events = self._applied
                 self._decided, self._decided_at, self._applied = [], [], []
-                # a full snapshot now and then; in between, the events since the last
-                # write (no await before either encodes: the state is the deciding one)
-                if self.journal.full_due(time.monotonic(), len(events)):
+                # the events since the last write, or a full snapshot (no await before
+                # either encodes: the state is exactly the deciding one)
+                if rebase or self.journal.full_due(time.monotonic(), len(events)):
                     stored = await self._snapshot(batch)
                 else:
                     stored = await self._append(events, batch)
@@ -574,8 +580,12 @@ class Coordinator:
                 for out in batch:
                     self.publisher.submit(out)
                 now = time.time()
+                rebase = False
                 if any(out.headers.get(sj.H_TYPE) == SYNC_NOW for out in batch):
                     self._sync_published_at = now
+                    rebase = self.journal.wanted(time.monotonic())
+                    if rebase:  # the average's call on the wire before the loop blocks
+                        await self.publisher.flush(0.5)
                 for t, training in started:
                     self.decision_ms.append((now - t) * 1000.0)
                     if training:
@@ -661,12 +671,9 @@ class Coordinator:
             latest = m.batches(body)
             if latest:  # the gauges show a rank's latest batch
                 self.metrics.on_batch(latest[-1])
-        if isinstance(body, m.MetricsMsg):
-            await self.apply(Metrics(body, msg_id), seq, stored_at)
-        elif isinstance(body, m.Hello | m.Rejoin):
-            await self.apply(Joined(body, msg_id), seq, stored_at)
-        elif body is not None:
-            await self.apply(Timing(body, msg_id), seq, stored_at)  # type: ignore[arg-type]
+        if body is not None:
+            await self.apply(journal.event_of(body, msg_id), seq, stored_at,
+                             journal.Wire(msg.subject, msg.headers or {}, msg.data, True))
         else:
             self.covered_seq = max(self.covered_seq, seq)
         if self._replay_to is not None and seq >= self._replay_to:
@@ -681,7 +688,8 @@ class Coordinator:
                 self.rank_rejected[body.rank] = dict(body.rejections)
                 if self.metrics is not None:
                     self.metrics.on_rank_rejections(body.rank, body.rejections)
-            await self.apply(Timing(body))
+            await self.apply(Timing(body),
+                             wire=journal.Wire(msg.subject, msg.headers or {}, msg.data, False))
 
     async def _ticker(self) -> None:
         while True:

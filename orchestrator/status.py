@@ -93,7 +93,8 @@ async def gather(js: JetStreamContext, job: str, key: bytes) -> dict[str, Any]:
     else:
         snap = snapshot.decode(raw, key)
         with contextlib.suppress(snapshot.SnapshotError):  # the snapshot alone, then
-            snap = journal.extend(snap, await journal.read(kv, snap.journal, key))
+            snap = journal.extend(snap, await journal.read(kv, snap.journal, key),
+                                  journal.decoder(job, key))
         out |= from_state(snap.state, now)
         out["snapshot"] = {"stream_seq": snap.stream_seq,
                            "age_s": round(now - snap.saved_at, 3)}

@@ -85,7 +85,10 @@ def test_when_a_full_snapshot_is_due() -> None:
     assert w.full_due(0.0, 1)  # no base yet
     w.base, w.full_at = "1.0", 10.0
     assert not w.full_due(10.5, 100)
-    assert w.full_due(10.0 + journal.FULL_EVERY_S, 1)
+    assert not w.wanted(10.5)
+    assert w.wanted(10.0 + journal.FULL_EVERY_S)  # at the next quiet moment
+    assert not w.full_due(10.0 + journal.FULL_EVERY_S, 1)
+    assert w.full_due(10.0 + journal.FULL_EVERY_S * journal.OVERDUE, 1)  # whatever happens
     assert w.full_due(10.5, journal.MAX_EVENTS + 1)
     w.index = journal.MAX_SEGMENTS
     assert w.full_due(10.5, 1)

@@ -10,12 +10,30 @@ import json
 import pytest
 from cluster_sim import Sim
 
+from ddpbus.codecs import Encoder
+from ddpbus.codecs import messages as m
+from ddpbus.codecs import subjects as sj
 from ddpbus.orchestrator import journal, snapshot
 from ddpbus.orchestrator.config import schedule_from
 from ddpbus.orchestrator.core import initial_state, transition
-from ddpbus.orchestrator.state import State
+from ddpbus.orchestrator.state import Event, Joined, Metrics, State
 
 KEY = b"journal-test-key-0123456789abcdef"
+JOB = "jj"
+DECODER = journal.decoder(JOB, KEY)
+
+
+def _as_received(event: Event) -> Event | journal.Wire:
+    """A message event as the shell journals it: the signed bytes off the bus."""
+    msg = getattr(event, "msg", None)
+    if msg is None:
+        return event  # a tick, a stop, a reducer's result: kept as the event itself
+    family = (sj.LIVE_RANK if isinstance(msg, m.Heartbeat) else sj.METRICS_RANK
+              if isinstance(event, Metrics) else sj.JOIN_RANK if isinstance(event, Joined)
+              else sj.TIMING_RANK)
+    enc = Encoder(job=JOB, key=KEY, sender=sj.rank_consumer(msg.rank), generation=1)
+    out = enc.encode(family.subject(JOB, msg.rank), msg)
+    return journal.Wire(out.subject, out.headers, out.payload, stream=False)
 
 
 def _tree(state: State) -> str:
@@ -45,12 +63,13 @@ def test_snapshot_plus_segments_is_the_live_state(policy: str, cut: float) -> No
         state=state, stream_seq=at, outbox=[], coordinator_generation=1, saved_at=0.0,
         journal="1.0"), KEY), KEY)
     # the rest as segments of uneven sizes (a group commit takes what arrived)
-    rest = [(event, now) for now, event in events[at:]]
+    rest = [(_as_received(event), now) for now, event in events[at:]]
+    assert any(isinstance(e, journal.Wire) for e, _ in rest)
     segments, i, size = [], 0, 1
     while i < len(rest):
         segments.append(_sealed(rest[i:i + size], at + i + size))
         i, size = i + size, size * 3 % 17 + 1
-    resumed = journal.extend(snap, segments)
+    resumed = journal.extend(snap, segments, DECODER)
     assert resumed.stream_seq == segments[-1].stream_seq
     assert _tree(resumed.state) == _tree(sim.state)
 
@@ -61,7 +80,7 @@ def test_no_segments_leave_the_snapshot_as_it_is() -> None:
     sim.run()
     snap = snapshot.Snapshot(state=sim.state, stream_seq=9, outbox=[],
                              coordinator_generation=1, saved_at=0.0)
-    assert journal.extend(snap, []) is snap
+    assert journal.extend(snap, [], DECODER) is snap
 
 
 def test_a_segment_signed_with_another_key_or_holding_a_snapshot_is_refused() -> None:
@@ -76,3 +95,18 @@ def test_a_segment_signed_with_another_key_or_holding_a_snapshot_is_refused() ->
                              coordinator_generation=1, saved_at=0.0)
     with pytest.raises(snapshot.SnapshotError, match="something else"):
         journal.decode(snapshot.encode(snap, KEY), KEY)
+
+
+def test_a_journaled_message_that_does_not_verify_is_refused() -> None:
+    enc = Encoder(job=JOB, key=b"another-key-0123456789abcdef0000", sender="rank-0",
+                  generation=1)
+    out = enc.encode(sj.LIVE_RANK.subject(JOB, 0), m.Heartbeat(rank=0, step_count=1))
+    seg = _sealed([(journal.Wire(out.subject, out.headers, out.payload, stream=False), 1.0)],
+                  1)
+    sim = Sim(schedule_from({"policy": "sync", "batch_size": 8, "epochs": 1}), (2.0,),
+              dataset_size=64)
+    sim.run()
+    snap = snapshot.Snapshot(state=sim.state, stream_seq=1, outbox=[],
+                             coordinator_generation=1, saved_at=0.0)
+    with pytest.raises(snapshot.SnapshotError, match="does not decode"):
+        journal.extend(snap, [seg], DECODER)
