@@ -526,12 +526,20 @@ def _throttle_from_wire(_: Any) -> m.Throttle:
 
 
 def _global_step_to_wire(x: m.SetGlobalStep) -> pb.ControlMsg:
-    return _C(set_global_step=_C.SetGlobalStep(global_step=x.global_step,
-                                               step_budget=x.step_budget))
+    return _C(set_global_step=_C.SetGlobalStep(
+        global_step=x.global_step, step_budget=x.step_budget,
+        plans=[pb.RankPlan(rank=p.rank, plan=plan_to_wire(p.plan)) for p in x.plans]))
 
 
 def _global_step_from_wire(w: Any) -> m.SetGlobalStep:
-    return m.SetGlobalStep(global_step=w.global_step, step_budget=tuple(w.step_budget))
+    plans = []
+    for p in w.plans:
+        if not p.HasField("plan"):
+            raise InvalidField(f"SetGlobalStep.plans: rank {p.rank}'s entry has no plan",
+                               msg_type="SetGlobalStep")
+        plans.append(m.RankPlan(rank=p.rank, plan=plan_from_wire(p.plan)))
+    return m.SetGlobalStep(global_step=w.global_step, step_budget=tuple(w.step_budget),
+                           plans=tuple(plans))
 
 
 def _checkpoint_to_wire(x: m.Checkpoint) -> pb.ControlMsg:

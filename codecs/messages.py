@@ -132,6 +132,15 @@ class EpochPlan:
 
 @_fast_init
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RankPlan:
+    """Rank ``rank``'s plan inside a broadcast: as a StartEpoch{plan} of its own."""
+
+    rank: int
+    plan: EpochPlan
+
+
+@_fast_init
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ScalarSum:
     sum: float
     count: int
@@ -426,10 +435,13 @@ class Throttle:
 class SetGlobalStep:
     """After every average (and when training starts): the LR schedule's global step, and
     the window it opens: ``step_budget[r]`` optimizer steps for rank r before the next
-    SyncNow (empty: no limit)."""
+    SyncNow (empty: no limit), and the window's plans for every rank (each rank takes its
+    own, in order, as if each were a StartEpoch of its own: one broadcast, not one
+    message per rank)."""
 
     global_step: int
     step_budget: tuple[int, ...] = ()
+    plans: tuple[RankPlan, ...] = ()
 
 
 @_fast_init

@@ -82,6 +82,8 @@ class RunMonitor:
             self.run = body.run
         elif isinstance(body, m.StartEpoch):
             self.epoch = max(self.epoch, body.plan.epoch)
+        elif isinstance(body, m.SetGlobalStep) and body.plans:
+            self.epoch = max(self.epoch, *(p.plan.epoch for p in body.plans))
         elif isinstance(body, m.SyncNow):
             self.rounds += 1
         elif isinstance(body, m.EpochAggregated):

@@ -310,6 +310,9 @@ class SimulatedCohort:
             r.open = True
             r.budget = msg.step_budget[r.rank] if r.rank < len(msg.step_budget) else (
                 2**62 if not msg.step_budget else 0)
+            for p in msg.plans:  # the window's plans: this rank's, as StartEpochs
+                if p.rank == r.rank:
+                    self.handle(r, m.StartEpoch(plan=p.plan))
         elif isinstance(msg, m.StartEpoch | m.ExtendPartition):
             epoch = msg.plan.epoch if isinstance(msg, m.StartEpoch) else msg.epoch
             size = (msg.plan.partition_size if isinstance(msg, m.StartEpoch)

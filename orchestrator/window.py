@@ -383,7 +383,25 @@ def open_window(s: State, now: float, out: Out) -> None:
         r.budget = min(in_flight, r.target + overshoot) if not progressive else \
             r.target + overshoot
     budgets = tuple(s.ranks[i].budget if s.ranks[i].alive else 0 for i in range(len(s.ranks)))
-    out.insert(mark, Send(m.SetGlobalStep(global_step=s.global_step, step_budget=budgets)))
+    plans: tuple[m.RankPlan, ...] = ()
+    if not s.broker:  # (the broker path folds them into each rank's Update instead)
+        plans = _fold_plans(out, mark)
+    out.insert(mark, Send(m.SetGlobalStep(global_step=s.global_step, step_budget=budgets,
+                                          plans=plans)))
+
+
+def _fold_plans(out: Out, mark: int) -> tuple[m.RankPlan, ...]:
+    """The window's StartEpochs (one per rank, after ``mark``) as one broadcast's list:
+    every rank reads control.all anyway, so a thousand ranks cost one message, not a
+    thousand. Each rank's plans keep their order (nothing else is sent to it between)."""
+    plans, keep = [], []
+    for c in out[mark:]:
+        if isinstance(c, Send) and isinstance(c.msg, m.StartEpoch) and c.rank is not None:
+            plans.append(m.RankPlan(rank=c.rank, plan=c.msg.plan))
+        else:
+            keep.append(c)
+    out[mark:] = keep
+    return tuple(plans)
 
 
 def _available(s: State, *, stream: bool) -> int:

@@ -385,6 +385,9 @@ class Trainer(threading.Thread):
         w.open = True
         w.budget = msg.step_budget[self.rank] if self.rank < len(msg.step_budget) else (
             2**62 if not msg.step_budget else 0)
+        for p in msg.plans:  # the window's plans, broadcast: this rank's, in order
+            if p.rank == self.rank:
+                self._on_start_epoch(m.StartEpoch(plan=p.plan))
 
     def _on_start_epoch(self, msg: m.StartEpoch) -> None:
         run = self._run()

@@ -160,6 +160,33 @@ class EpochPlan(_message.Message):
 Global___EpochPlan: _TypeAlias = EpochPlan  # noqa: Y015
 
 @_typing.final
+class RankPlan(_message.Message):
+    """One rank's plan inside a broadcast (SetGlobalStep.plans): the rank treats it
+    exactly as a StartEpoch{plan} of its own, in the order listed.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    PLAN_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    @_builtins.property
+    def plan(self) -> Global___EpochPlan: ...
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        plan: Global___EpochPlan | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "rank", b"rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RankPlan: _TypeAlias = RankPlan  # noqa: Y015
+
+@_typing.final
 class TimingMsg(_message.Message):
     """---------------------------------------------------------------- timing
     rank -> coordinator, subject timing.rank.<N>
@@ -919,6 +946,7 @@ class ControlMsg(_message.Message):
 
         GLOBAL_STEP_FIELD_NUMBER: _builtins.int
         STEP_BUDGET_FIELD_NUMBER: _builtins.int
+        PLANS_FIELD_NUMBER: _builtins.int
         global_step: _builtins.int
         @_builtins.property
         def step_budget(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -926,15 +954,22 @@ class ControlMsg(_message.Message):
             optimizer steps each rank may take before the next SyncNow. Empty = no limit.
             """
 
+        @_builtins.property
+        def plans(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankPlan]:
+            """The window's plans, for every rank at once (one broadcast rather than a
+            StartEpoch per rank): each rank takes its own, in order, after the budget.
+            """
+
         def __init__(
             self,
             *,
             global_step: _builtins.int = ...,
             step_budget: _abc.Iterable[_builtins.int] | None = ...,
+            plans: _abc.Iterable[Global___RankPlan] | None = ...,
         ) -> None: ...
         _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["global_step", b"global_step", "step_budget", b"step_budget"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["global_step", b"global_step", "plans", b"plans", "step_budget", b"step_budget"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -256,6 +256,9 @@ class Sim:
                             0])
         elif isinstance(msg, m.SetGlobalStep):
             r.budget = msg.step_budget[r.rank] if msg.step_budget else 10**9
+            bs = self.config.schedule.batch_size
+            r.plans += [[p.plan.epoch, p.plan.partition_offset // bs,
+                         p.plan.partition_size // bs, 0] for p in msg.plans if p.rank == r.rank]
         elif isinstance(msg, m.StartEpoch):
             p = msg.plan
             bs = self.config.schedule.batch_size

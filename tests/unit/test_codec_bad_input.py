@@ -384,6 +384,10 @@ def _invalid_field() -> list[Case]:
                 _c("JoinMsg", rejoin=j.Rejoin(resume_stream_seq=1))),
         _signed("start-epoch-without-plan", InvalidField, C3, "ControlMsg.StartEpoch",
                 _c("ControlMsg", start_epoch=c.StartEpoch())),
+        _signed("global-step-plan-entry-without-plan", InvalidField, CALL,
+                "ControlMsg.SetGlobalStep",
+                _c("ControlMsg", set_global_step=c.SetGlobalStep(
+                    global_step=1, plans=[pb.RankPlan(rank=3)])), match="rank 3"),
         _signed("aggregated-without-metrics", InvalidField, CALL, "ControlMsg.EpochAggregated",
                 _c("ControlMsg", epoch_aggregated=c.EpochAggregated())),
         _signed("update-realized-without-digest", InvalidField, C3, "ControlMsg.Update",

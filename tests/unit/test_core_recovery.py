@@ -258,7 +258,9 @@ def test_a_rejoiner_gets_work_only_after_it_received_the_consensus() -> None:
     sim.run()
     fresh = sim.ranks[1]
     first_plan = next(i for i, msg in enumerate(fresh.received)
-                      if isinstance(msg, m.StartEpoch | m.ExtendPartition))
+                      if isinstance(msg, m.StartEpoch | m.ExtendPartition)
+                      or (isinstance(msg, m.SetGlobalStep)
+                          and any(p.rank == 1 for p in msg.plans)))
     first_sync = next(i for i, msg in enumerate(fresh.received) if isinstance(msg, m.SyncNow))
     assert first_sync < first_plan
 

@@ -15,7 +15,7 @@ from core_harness import (
 )
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator.state import Admit, Joined, Phase, Send, Stop, Tick, Timing
+from ddpbus.orchestrator.state import Admit, Joined, Phase, Stop, Tick, Timing
 
 # ------------------------------------------------------------------ admission
 
@@ -188,17 +188,17 @@ def test_formation_timeout_shuts_down() -> None:
 # --------------------------------------------------------------- first window
 
 
-def test_first_window_sets_global_step_before_plans() -> None:
+def test_first_window_broadcasts_global_step_with_every_ranks_plans() -> None:
+    """One control.all message opens the window: the budgets and each rank's plans (not a
+    StartEpoch per rank: at a thousand ranks that is a thousand publishes a window)."""
     out = Core().form()
-    kinds = [type(c.msg) for c in out if isinstance(c, Send)]
-    first_plan = kinds.index(m.StartEpoch)
-    assert kinds.index(m.SetGlobalStep) < first_plan
-    global_step = sends(out, m.SetGlobalStep)[0].msg
-    assert global_step == m.SetGlobalStep(global_step=0, step_budget=(10, 10))
-    plans = sends(out, m.StartEpoch)
-    assert [(s.rank, s.msg.plan) for s in plans] == [
-        (0, m.EpochPlan(epoch=0, partition_offset=0, partition_size=80)),
-        (1, m.EpochPlan(epoch=0, partition_offset=80, partition_size=80))]
+    [opened] = sends(out, m.SetGlobalStep)
+    assert opened.rank is None  # control.all
+    assert opened.msg == m.SetGlobalStep(global_step=0, step_budget=(10, 10), plans=(
+        m.RankPlan(rank=0, plan=m.EpochPlan(epoch=0, partition_offset=0, partition_size=80)),
+        m.RankPlan(rank=1, plan=m.EpochPlan(epoch=0, partition_offset=80,
+                                            partition_size=80))))
+    assert not sends(out, m.StartEpoch)
 
 
 # ----------------------------------------------------------------------- gate
@@ -251,8 +251,8 @@ def test_global_step_grows_by_sum_of_steps_and_is_broadcast() -> None:
     core = formed()
     core.train(0, 10, ms=2.0)
     out = core.train(1, 10, ms=5.0)
-    assert sends(out, m.SetGlobalStep)[0].msg == m.SetGlobalStep(global_step=20,
-                                                                 step_budget=(25, 10))
+    opened = sends(out, m.SetGlobalStep)[0].msg
+    assert (opened.global_step, opened.step_budget) == (20, (25, 10))
     core.ack(0)
     core.ack(1)
     core.train(0, 25, ms=2.0)
