@@ -27,6 +27,7 @@ stored (``Nats-Expected-Last-Subject-Sequence`` on the snapshot key's subject), 
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
@@ -39,7 +40,17 @@ from ddpbus.codecs import messages as m
 from ddpbus.codecs.errors import DdpbusError
 from ddpbus.orchestrator import snapshot
 from ddpbus.orchestrator.core import transition
-from ddpbus.orchestrator.state import Event, Joined, Metrics, State, Timing
+from ddpbus.orchestrator.state import (
+    BusRestored,
+    Event,
+    Joined,
+    Metrics,
+    Reduced,
+    State,
+    Stop,
+    Tick,
+    Timing,
+)
 
 log = logging.getLogger(__name__)
 
@@ -132,11 +143,78 @@ def extend(snap: snapshot.Snapshot, segments: list[Segment], decoder: Decoder
                              saved_at=last.saved_at, journal=snap.journal)
 
 
+MAGIC: Final = b"DDPBUS-JOURNAL-1\n"
+_OTHER_EVENTS: Final = (Tick, Stop, BusRestored, Reduced, Joined, Timing, Metrics)
+
+
+def encode(seg: Segment, secret: bytes) -> bytes:
+    """Signed (HMAC-SHA256 with the job key), zlib-compressed JSON, like a snapshot, but
+    flat: a message event is ``[now, subject, headers, payload (base64), stream]`` and a
+    command ``[subject, headers, payload]`` (JSON's C encoder does those at once); the
+    rare other events (ticks, a stop, a reducer's result) are snapshot trees."""
+    b64 = base64.b64encode
+    events: list[list[Any]] = []
+    for item, now in seg.events:
+        if isinstance(item, Wire):
+            events.append([now, item.subject, item.headers, b64(item.payload).decode(),
+                           item.stream])
+        else:
+            events.append([now, snapshot.tree(item)])
+    doc = {"stream_seq": seg.stream_seq, "generation": seg.coordinator_generation,
+           "saved_at": seg.saved_at, "events": events,
+           "outbox": [[o.subject, o.headers, b64(o.payload).decode()] for o in seg.outbox]}
+    return snapshot.sign(MAGIC, doc, secret, level=1)
+
+
+def _strings(headers: Any) -> dict[str, str]:
+    if not isinstance(headers, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+        raise snapshot.SnapshotError("journal headers are not a string map")
+    return headers
+
+
+def _bytes(text: Any) -> bytes:
+    if not isinstance(text, str):
+        raise snapshot.SnapshotError("journal payload is not base64 text")
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError as exc:
+        raise snapshot.SnapshotError(f"journal payload is not base64: {exc}") from None
+
+
 def decode(data: bytes, secret: bytes) -> Segment:
-    seg = snapshot.unseal(data, secret)
-    if not isinstance(seg, Segment):
-        raise snapshot.SnapshotError("journal segment holds something else")
-    return seg
+    """What :func:`encode` stored; anything else is a :class:`~.snapshot.SnapshotError`."""
+    doc = snapshot.verify(MAGIC, data, secret)
+    if not isinstance(doc, dict) or set(doc) != {"stream_seq", "generation", "saved_at",
+                                                 "events", "outbox"}:
+        raise snapshot.SnapshotError("journal segment is not the expected document")
+    if not (type(doc["stream_seq"]) is int and type(doc["generation"]) is int
+            and isinstance(doc["saved_at"], int | float)
+            and isinstance(doc["events"], list) and isinstance(doc["outbox"], list)):
+        raise snapshot.SnapshotError("journal segment fields have the wrong types")
+    events: list[tuple[Event | Wire, float]] = []
+    for row in doc["events"]:
+        if not isinstance(row, list) or len(row) not in (2, 5) or not isinstance(
+                row[0], int | float):
+            raise snapshot.SnapshotError("malformed journal event")
+        if len(row) == 5:
+            if not isinstance(row[1], str) or not isinstance(row[4], bool):
+                raise snapshot.SnapshotError("malformed journal message event")
+            events.append((Wire(row[1], _strings(row[2]), _bytes(row[3]), row[4]),
+                           float(row[0])))
+        else:
+            event = snapshot.untree(row[1])
+            if not isinstance(event, _OTHER_EVENTS):
+                raise snapshot.SnapshotError(f"journal event is a {type(event).__name__}")
+            events.append((event, float(row[0])))
+    outbox = []
+    for row in doc["outbox"]:
+        if not isinstance(row, list) or len(row) != 3 or not isinstance(row[0], str):
+            raise snapshot.SnapshotError("malformed journal command")
+        outbox.append(Outbound(subject=row[0], headers=_strings(row[1]),
+                               payload=_bytes(row[2])))
+    return Segment(events=events, stream_seq=doc["stream_seq"], outbox=outbox,
+                   coordinator_generation=doc["generation"], saved_at=float(doc["saved_at"]))
 
 
 async def read(kv: Any, base: str, secret: bytes) -> list[Segment]:
@@ -193,7 +271,7 @@ class Writer:
         if self.base is None:
             raise RuntimeError("no full snapshot to extend")
         name = key(self.base, self.index)
-        data = snapshot.seal(seg, self.secret)
+        data = encode(seg, self.secret)
         headers = {"Nats-Expected-Last-Subject-Sequence": str(snapshot_rev),
                    "Nats-Expected-Last-Subject-Sequence-Subject":
                        f"$KV.{self.bucket}.{snapshot.SNAPSHOT_KEY}",

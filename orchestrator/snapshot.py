@@ -267,14 +267,42 @@ def _class(path: str) -> type:
 
 
 def encode(snap: Snapshot, key: bytes) -> bytes:
-    return seal(snap, key)
+    return sign(MAGIC, tree(snap), key)
 
 
-def seal(obj: object, key: bytes) -> bytes:
-    """``obj`` (a snapshot, or a journal segment) in the signed format."""
-    text = json.dumps(_Encoder().document(obj), separators=(",", ":"))
-    body = zlib.compress(text.encode(), 3)
-    return MAGIC + hmac.new(key, body, hashlib.sha256).digest() + body
+def tree(obj: object) -> dict[str, Any]:
+    """``obj`` as a JSON-able document of this format (for records that embed a few
+    ddpbus objects among plain values, such as a journal segment's rare events)."""
+    return _Encoder().document(obj)
+
+
+def untree(doc: Any) -> object:
+    """What :func:`tree` made; anything else is a :class:`SnapshotError`."""
+    try:
+        return _load(MAGIC, doc)
+    except SnapshotError:
+        raise
+    except Exception as exc:
+        raise SnapshotError(f"snapshot node does not load: {exc}") from exc
+
+
+def sign(magic: bytes, doc: Any, key: bytes, *, level: int = 3) -> bytes:
+    """``magic | HMAC-SHA256(key, body) | body``, body = zlib(JSON of ``doc``)."""
+    body = zlib.compress(json.dumps(doc, separators=(",", ":")).encode(), level)
+    return magic + hmac.new(key, body, hashlib.sha256).digest() + body
+
+
+def verify(magic: bytes, data: bytes, key: bytes) -> Any:
+    """The JSON document :func:`sign` stored under ``magic``, signature checked first."""
+    if not data.startswith(magic):
+        raise SnapshotError(f"not a {magic.decode().strip()} record")
+    tag, body = data[len(magic):len(magic) + 32], data[len(magic) + 32:]
+    if not hmac.compare_digest(tag, hmac.new(key, body, hashlib.sha256).digest()):
+        raise SnapshotError("signature does not match the job key")
+    try:
+        return json.loads(zlib.decompress(body))
+    except Exception as exc:
+        raise SnapshotError(f"record does not load: {exc}") from exc
 
 
 def _load(magic: bytes, doc: Any) -> Any:
@@ -293,7 +321,8 @@ def decode(data: bytes, key: bytes) -> Snapshot:
 
 
 def unseal(data: bytes, key: bytes) -> object:
-    """What :func:`seal` stored: the signature is checked first; nothing is unpickled."""
+    """What :func:`encode` stored: the signature is checked first; nothing is
+    unpickled."""
     magic = next((x for x in (MAGIC, *OLDER) if data.startswith(x)), None)
     if magic is None:
         raise SnapshotError("not a ddpbus coordinator snapshot (or an older format)")

@@ -43,7 +43,7 @@ def _tree(state: State) -> str:
 def _sealed(events: list, seq: int) -> journal.Segment:
     seg = journal.Segment(events=events, stream_seq=seq, outbox=[], coordinator_generation=1,
                           saved_at=0.0)
-    return journal.decode(snapshot.seal(seg, KEY), KEY)  # through the stored format
+    return journal.decode(journal.encode(seg, KEY), KEY)  # through the stored format
 
 
 @pytest.mark.parametrize("policy", ["sync", "cadence", "async"])
@@ -87,14 +87,48 @@ def test_a_segment_signed_with_another_key_or_holding_a_snapshot_is_refused() ->
     seg = journal.Segment(events=[], stream_seq=1, outbox=[], coordinator_generation=1,
                           saved_at=0.0)
     with pytest.raises(snapshot.SnapshotError, match="signature"):
-        journal.decode(snapshot.seal(seg, KEY), b"another-key-0123456789abcdef0000")
+        journal.decode(journal.encode(seg, KEY), b"another-key-0123456789abcdef0000")
     sim = Sim(schedule_from({"policy": "sync", "batch_size": 8, "epochs": 1}), (2.0,),
               dataset_size=64)
     sim.run()
     snap = snapshot.Snapshot(state=sim.state, stream_seq=1, outbox=[],
                              coordinator_generation=1, saved_at=0.0)
-    with pytest.raises(snapshot.SnapshotError, match="something else"):
+    with pytest.raises(snapshot.SnapshotError, match="not a DDPBUS-JOURNAL-1 record"):
         journal.decode(snapshot.encode(snap, KEY), KEY)
+
+
+GOOD = {"stream_seq": 1, "generation": 1, "saved_at": 0.0, "events": [], "outbox": []}
+
+
+@pytest.mark.parametrize(("doc", "match"), [
+    ([], "expected document"),
+    (GOOD | {"extra": 1}, "expected document"),
+    (GOOD | {"stream_seq": "1"}, "wrong types"),
+    (GOOD | {"events": [[0.0]]}, "malformed journal event"),
+    (GOOD | {"events": [[0.0, "s", {}, "AA==", "yes"]]}, "malformed journal message"),
+    (GOOD | {"events": [[0.0, "s", {"a": 1}, "AA==", True]]}, "string map"),
+    (GOOD | {"events": [[0.0, "s", {}, "not base64!", True]]}, "not base64"),
+    (GOOD | {"events": [[0.0, {"classes": [["os:system", []]], "root": {"$o": 0, "v": []}}]]},
+     "may not"),
+    (GOOD | {"outbox": [["s", {}]]}, "malformed journal command"),
+])
+def test_a_signed_but_malformed_segment_is_refused(doc: object, match: str) -> None:
+    """Signed with the job key yet not a segment (a bug, or a key in the wrong hands):
+    refused with a reason, never half-applied."""
+    with pytest.raises(snapshot.SnapshotError, match=match):
+        journal.decode(snapshot.sign(journal.MAGIC, doc, KEY), KEY)
+
+
+def test_a_segment_round_trips() -> None:
+    from ddpbus.codecs import Outbound
+    from ddpbus.orchestrator.state import Reduced, Tick
+    wire = journal.Wire("ddpbus.jj.timing.rank.0", {"Ddpbus-Type": "TimingMsg.Batch"},
+                        b"\x00\x01", stream=True)
+    out = Outbound(subject="ddpbus.jj.control.all", headers={"Nats-Msg-Id": "c.1"},
+                   payload=b"\xff")
+    seg = journal.Segment(events=[(wire, 1.5), (Tick(), 2.0), (Reduced(3, True), 2.5)],
+                          stream_seq=9, outbox=[out], coordinator_generation=4, saved_at=3.0)
+    assert journal.decode(journal.encode(seg, KEY), KEY) == seg
 
 
 def test_a_journaled_message_that_does_not_verify_is_refused() -> None:
