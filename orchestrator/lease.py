@@ -124,7 +124,10 @@ class Lease:
             if on_wait is not None and not told:
                 on_wait(current)
                 told = True
-            await asyncio.sleep(poll)
+            # try again when it expires (by our clock; ``poll`` bounds a skewed one), not
+            # up to a whole ``poll`` later: a takeover's time is the lease's, not ours
+            left = current.expires - self.clock() if current is not None else poll
+            await asyncio.sleep(min(poll, max(0.01, left + 0.005)))
         log.info("holding the coordinator lease (revision %d, ttl %.1fs)", self.revision,
                  self.ttl)
 
