@@ -31,11 +31,17 @@ async def store(nc: Client):  # type: ignore[no-untyped-def]
     return js, kv
 
 
+async def _on_base(js, kv) -> tuple[journal.Writer, int]:  # type: ignore[no-untyped-def]
+    """A writer on base 1.0 of a stored snapshot, and that snapshot's revision."""
+    rev = await kv.put(snapshot.SNAPSHOT_KEY, b"full snapshot 1")
+    w = journal.Writer(js, BUCKET, KEY)
+    await w.rebased("1.0", 0.0)
+    return w, rev
+
+
 async def test_a_rewritten_snapshot_fences_the_old_writer(store) -> None:  # type: ignore[no-untyped-def]
     js, kv = store
-    rev = await kv.put(snapshot.SNAPSHOT_KEY, b"full snapshot 1")
-    old = journal.Writer(js, BUCKET, KEY)
-    await old.rebased("1.0", 0.0)
+    old, rev = await _on_base(js, kv)
     await old.append(_seg(10), rev, bus.retry_while_away)
     await old.append(_seg(11), rev, bus.retry_while_away)
     assert [s.stream_seq for s in await journal.read(kv, "1.0", KEY)] == [10, 11]
@@ -49,9 +55,7 @@ async def test_a_rewritten_snapshot_fences_the_old_writer(store) -> None:  # typ
 
 async def test_a_new_base_purges_the_older_segments(store) -> None:  # type: ignore[no-untyped-def]
     js, kv = store
-    rev = await kv.put(snapshot.SNAPSHOT_KEY, b"full snapshot 1")
-    w = journal.Writer(js, BUCKET, KEY)
-    await w.rebased("1.0", 0.0)
+    w, rev = await _on_base(js, kv)
     await w.append(_seg(10), rev, bus.retry_while_away)
     rev = await kv.put(snapshot.SNAPSHOT_KEY, b"full snapshot 2")
     await w.rebased("1.1", 1.0)
@@ -63,9 +67,7 @@ async def test_a_new_base_purges_the_older_segments(store) -> None:  # type: ign
 
 async def test_a_retried_segment_is_stored_once(store) -> None:  # type: ignore[no-untyped-def]
     js, kv = store
-    rev = await kv.put(snapshot.SNAPSHOT_KEY, b"full snapshot 1")
-    w = journal.Writer(js, BUCKET, KEY)
-    await w.rebased("1.0", 0.0)
+    w, rev = await _on_base(js, kv)
     calls = 0
 
     async def lost_ack(op):  # type: ignore[no-untyped-def]

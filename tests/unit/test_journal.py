@@ -83,16 +83,20 @@ def test_no_segments_leave_the_snapshot_as_it_is() -> None:
     assert journal.extend(snap, [], DECODER) is snap
 
 
+def _small_snapshot() -> snapshot.Snapshot:
+    sim = Sim(schedule_from({"policy": "sync", "batch_size": 8, "epochs": 1}), (2.0,),
+              dataset_size=64)
+    sim.run()
+    return snapshot.Snapshot(state=sim.state, stream_seq=1, outbox=[],
+                             coordinator_generation=1, saved_at=0.0)
+
+
 def test_a_segment_signed_with_another_key_or_holding_a_snapshot_is_refused() -> None:
     seg = journal.Segment(events=[], stream_seq=1, outbox=[], coordinator_generation=1,
                           saved_at=0.0)
     with pytest.raises(snapshot.SnapshotError, match="signature"):
         journal.decode(journal.encode(seg, KEY), b"another-key-0123456789abcdef0000")
-    sim = Sim(schedule_from({"policy": "sync", "batch_size": 8, "epochs": 1}), (2.0,),
-              dataset_size=64)
-    sim.run()
-    snap = snapshot.Snapshot(state=sim.state, stream_seq=1, outbox=[],
-                             coordinator_generation=1, saved_at=0.0)
+    snap = _small_snapshot()
     with pytest.raises(snapshot.SnapshotError, match="not a DDPBUS-JOURNAL-1 record"):
         journal.decode(snapshot.encode(snap, KEY), KEY)
 
@@ -137,10 +141,6 @@ def test_a_journaled_message_that_does_not_verify_is_refused() -> None:
     out = enc.encode(sj.LIVE_RANK.subject(JOB, 0), m.Heartbeat(rank=0, step_count=1))
     seg = _sealed([(journal.Wire(out.subject, out.headers, out.payload, stream=False), 1.0)],
                   1)
-    sim = Sim(schedule_from({"policy": "sync", "batch_size": 8, "epochs": 1}), (2.0,),
-              dataset_size=64)
-    sim.run()
-    snap = snapshot.Snapshot(state=sim.state, stream_seq=1, outbox=[],
-                             coordinator_generation=1, saved_at=0.0)
+    snap = _small_snapshot()
     with pytest.raises(snapshot.SnapshotError, match="does not decode"):
         journal.extend(snap, [seg], DECODER)
