@@ -117,6 +117,9 @@ H_GEN: Final = "Ddpbus-Gen"
 H_SIG: Final = "Ddpbus-Sig"
 H_MSG_ID: Final = "Nats-Msg-Id"
 H_CONTENT_TYPE: Final = "Content-Type"
+# JetStream's own publish expectations (a conditional write, checked by the server)
+H_EXPECT_LAST_SUBJECT_SEQ: Final = "Nats-Expected-Last-Subject-Sequence"
+H_EXPECT_LAST_SUBJECT_SEQ_SUBJECT: Final = "Nats-Expected-Last-Subject-Sequence-Subject"
 
 CONTENT_PROTOBUF: Final = "application/protobuf"
 CONTENT_JSON: Final = "application/json"
@@ -154,6 +157,16 @@ def stream_name(job: str) -> str:
 
 def kv_bucket(job: str) -> str:
     return f"ddpbus_{check_job(job)}"
+
+
+def kv_stream(job: str) -> str:
+    """The stream behind the job's KV bucket."""
+    return f"KV_{kv_bucket(job)}"
+
+
+def kv_subject(job: str, key: str) -> str:
+    """The subject a key of the job's KV bucket is stored under."""
+    return f"$KV.{kv_bucket(job)}.{key}"
 
 
 def rounds_bucket(job: str) -> str:

@@ -66,8 +66,8 @@ class Permissions:
 
 
 def _streams(job: str) -> dict[str, str]:
-    kv, rounds, bundles = sj.kv_bucket(job), sj.rounds_bucket(job), sj.bundles_bucket(job)
-    return {"stream": sj.stream_name(job), "kv": f"KV_{kv}", "rounds": f"OBJ_{rounds}",
+    rounds, bundles = sj.rounds_bucket(job), sj.bundles_bucket(job)
+    return {"stream": sj.stream_name(job), "kv": sj.kv_stream(job), "rounds": f"OBJ_{rounds}",
             "bundles": f"OBJ_{bundles}"}
 
 

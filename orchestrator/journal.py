@@ -36,9 +36,9 @@ from typing import Any, Final
 from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError
 
 from ddpbus.codecs import DecodeError, Decoder, Outbound
-from ddpbus.codecs import messages as m
+from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
-from ddpbus.orchestrator import snapshot
+from ddpbus.orchestrator import bus, snapshot
 from ddpbus.orchestrator.core import transition
 from ddpbus.orchestrator.state import (
     BusRestored,
@@ -50,6 +50,7 @@ from ddpbus.orchestrator.state import (
     Stop,
     Tick,
     Timing,
+    event_of,
 )
 
 log = logging.getLogger(__name__)
@@ -70,15 +71,6 @@ class Deposed(DdpbusError, RuntimeError):
     """A newer coordinator re-wrote the snapshot: this one must publish nothing more."""
 
 
-def event_of(body: m.Message, msg_id: str = "") -> Event:
-    """The core event a decoded stream message becomes (``msg_id``: its Nats-Msg-Id)."""
-    if isinstance(body, m.MetricsMsg):
-        return Metrics(body, msg_id)
-    if isinstance(body, m.Hello | m.Rejoin):
-        return Joined(body, msg_id)
-    return Timing(body, msg_id)  # type: ignore[arg-type]  # the core refuses a misfiled one
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class Wire:
     """A message event as it came off the bus (signed bytes: cheaper to journal than the
@@ -97,11 +89,6 @@ class Wire:
             raise snapshot.SnapshotError(f"journal holds a message that does not decode: "
                                          f"{exc}") from None
         return event_of(env.message, env.msg_id if self.stream else "")  # type: ignore[arg-type]
-
-
-def decoder(job: str, secret: bytes) -> Decoder:
-    """What replays a journal's messages: they passed every fence when first applied."""
-    return Decoder(job=job, key=secret)
 
 
 @dataclasses.dataclass(slots=True)
@@ -235,9 +222,9 @@ async def read(kv: Any, base: str, secret: bytes) -> list[Segment]:
 class Writer:
     """Appends segments to the base of the latest full snapshot."""
 
-    def __init__(self, js: Any, bucket: str, secret: bytes, *,
+    def __init__(self, js: Any, job: str, secret: bytes, *,
                  every: float = FULL_EVERY_S) -> None:
-        self.js, self.bucket, self.secret, self.every = js, bucket, secret, every
+        self.js, self.job, self.secret, self.every = js, job, secret, every
         self.base: str | None = None  # None: the next write must be a full snapshot
         self.index = 0
         self.full_at = float("-inf")  # when the base was stored (monotonic seconds)
@@ -260,8 +247,8 @@ class Writer:
         (none of ``base`` exists yet: the committer writes them after this returns)."""
         self.base, self.index, self.full_at = base, 0, now
         try:
-            await self.js.purge_stream(f"KV_{self.bucket}",
-                                       subject=f"$KV.{self.bucket}.{PREFIX}.>")
+            await self.js.purge_stream(sj.kv_stream(self.job),
+                                       subject=sj.kv_subject(self.job, f"{PREFIX}.>"))
         except (OSError, TimeoutError, APIError) as exc:  # garbage, purged next time
             log.warning("could not purge old journal segments: %s", exc)
 
@@ -271,15 +258,15 @@ class Writer:
         if self.base is None:
             raise RuntimeError("no full snapshot to extend")
         name = key(self.base, self.index)
-        data = encode(seg, self.secret)
-        headers = {"Nats-Expected-Last-Subject-Sequence": str(snapshot_rev),
-                   "Nats-Expected-Last-Subject-Sequence-Subject":
-                       f"$KV.{self.bucket}.{snapshot.SNAPSHOT_KEY}",
-                   "Nats-Msg-Id": f"{self.bucket}.{name}"}  # a retry after a lost ack
+        out = Outbound(subject=sj.kv_subject(self.job, name), payload=encode(seg, self.secret),
+                       headers={sj.H_EXPECT_LAST_SUBJECT_SEQ: str(snapshot_rev),
+                                sj.H_EXPECT_LAST_SUBJECT_SEQ_SUBJECT:
+                                    sj.kv_subject(self.job, snapshot.SNAPSHOT_KEY),
+                                sj.H_MSG_ID: f"{self.job}.{name}"})  # a retried lost ack
 
         async def put() -> None:
             try:
-                await self.js.publish(f"$KV.{self.bucket}.{name}", data, headers=headers)
+                await bus.publish(self.js, out)
             except APIError as exc:
                 if exc.err_code == WRONG_LAST_SEQUENCE:
                     raise KeyWrongLastSequenceError(description=exc.description) from None

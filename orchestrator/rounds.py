@@ -153,21 +153,20 @@ def _update(s: State, rd: BrokerRound, *, realized: bool, out: Out, digest: str 
     s.broker_round = None
 
 
-def fold_plans(s: State, out: Out, mark: int) -> None:
-    """Under sync and cadence every rank waits for the Update: the next window's
-    StartEpoch (one per rank) rides in it instead of in a message of its own (reference:
-    atomic dispatch)."""
+def fold_plans(s: State, plans: list[m.RankPlan]) -> Out:
+    """Under sync and cadence every rank waits for the Update: the next window's plan (one
+    per rank) rides in it instead of in a message of its own (reference: atomic dispatch).
+    Returns the StartEpochs for the plans that cannot ride (async, no round settling, a
+    rank outside the round, a second plan)."""
     rd = s.broker_round
-    if rd is None or s.schedule.policy is m.Policy.ASYNC:
-        return
-    keep: Out = []
-    for c in out[mark:]:
-        if (isinstance(c, Send) and isinstance(c.msg, m.StartEpoch) and c.rank is not None
-                and c.rank in rd.members and c.rank not in rd.plans):
-            rd.plans[c.rank] = c.msg.plan
+    rest: Out = []
+    for p in plans:
+        if (rd is not None and s.schedule.policy is not m.Policy.ASYNC
+                and p.rank in rd.members and p.rank not in rd.plans):
+            rd.plans[p.rank] = p.plan
         else:
-            keep.append(c)
-    out[mark:] = keep
+            rest.append(Send(m.StartEpoch(plan=p.plan), rank=p.rank))
+    return rest
 
 
 def maybe_throttle(s: State, out: Out) -> None:

@@ -70,6 +70,7 @@ from ddpbus.orchestrator.state import (
     Stop,
     Tick,
     Timing,
+    event_of,
 )
 from ddpbus.orchestrator.summary import summarize
 
@@ -108,6 +109,10 @@ class CoordinatorSettings:
 EXIT_DEPOSED = 3
 LATENCY_SAMPLES = 200_000
 SYNC_NOW: Final = convert.BY_CLASS[m.SyncNow].type_name  # its Ddpbus-Type header
+# the Ddpbus-Type of a command that calls an average (SyncNow, or the broker path's
+# RequestParams): a window's gate has just been served, a quiet moment for a full snapshot
+CALLS_AVERAGE: Final = frozenset(convert.BY_CLASS[c].type_name
+                                 for c in (m.SyncNow, m.RequestParams))
 
 
 def _stored_at(msg: Msg) -> float | None:
@@ -206,8 +211,7 @@ class Coordinator:
         # a rank's older incarnation is fenced: below the generation admitted last
         self.decoder = Decoder(job=s.job, key=s.key, generation_floor=self._rank_floor)
         self.nc, self.publisher = nc, bus.Publisher(js)
-        self.journal = journal.Writer(js, sj.kv_bucket(s.job), s.key,
-                                      every=s.snapshot_every)
+        self.journal = journal.Writer(js, s.job, s.key, every=s.snapshot_every)
         self.reducer = reducer.Reducer(js, s.job, nc.max_payload)
         info = await js.stream_info(sj.stream_name(s.job))
         self.compactor = Compactor(nc, s.job, s.retention, lambda: self.state.members,
@@ -415,8 +419,9 @@ class Coordinator:
         if segments:
             log.info("replaying %d journal segments (%d events) after the snapshot",
                      *self._replayed)
-        return journal.extend(snap, segments, journal.decoder(self.settings.job,
-                                                              self.settings.key))
+        # (the journal's messages passed every fence when first applied: no floors here)
+        return journal.extend(snap, segments, Decoder(job=self.settings.job,
+                                                      key=self.settings.key))
 
     async def _adopt_bundle(self, js: Any, kv: Any, source: str) -> None:
         """``--resume``: check the bundle against this run, seed the core from its meta, and
@@ -581,8 +586,10 @@ class Coordinator:
                     self.publisher.submit(out)
                 now = time.time()
                 rebase = False
-                if any(out.headers.get(sj.H_TYPE) == SYNC_NOW for out in batch):
+                kinds = {out.headers.get(sj.H_TYPE) for out in batch}
+                if SYNC_NOW in kinds:
                     self._sync_published_at = now
+                if kinds & CALLS_AVERAGE:
                     rebase = self.journal.wanted(time.monotonic())
                     if rebase:  # the average's call on the wire before the loop blocks
                         await self.publisher.flush(0.5)
@@ -672,7 +679,7 @@ class Coordinator:
             if latest:  # the gauges show a rank's latest batch
                 self.metrics.on_batch(latest[-1])
         if body is not None:
-            await self.apply(journal.event_of(body, msg_id), seq, stored_at,
+            await self.apply(event_of(body, msg_id), seq, stored_at,
                              journal.Wire(msg.subject, msg.headers or {}, msg.data, True))
         else:
             self.covered_seq = max(self.covered_seq, seq)

@@ -276,14 +276,15 @@ def tree(obj: object) -> dict[str, Any]:
     return _Encoder().document(obj)
 
 
-def untree(doc: Any) -> object:
-    """What :func:`tree` made; anything else is a :class:`SnapshotError`."""
+def untree(doc: Any, magic: bytes = MAGIC) -> object:
+    """What :func:`tree` made (or an older format's tree, by its ``magic``); anything
+    else is a :class:`SnapshotError`."""
     try:
-        return _load(MAGIC, doc)
+        return _load(magic, doc)
     except SnapshotError:
         raise
     except Exception as exc:
-        raise SnapshotError(f"snapshot node does not load: {exc}") from exc
+        raise SnapshotError(f"snapshot does not load: {exc}") from exc
 
 
 def sign(magic: bytes, doc: Any, key: bytes, *, level: int = 3) -> bytes:
@@ -314,25 +315,12 @@ def _load(magic: bytes, doc: Any) -> Any:
 
 
 def decode(data: bytes, key: bytes) -> Snapshot:
-    snap = unseal(data, key)
-    if not isinstance(snap, Snapshot):
-        raise SnapshotError("snapshot holds something else")
-    return snap
-
-
-def unseal(data: bytes, key: bytes) -> object:
     """What :func:`encode` stored: the signature is checked first; nothing is
     unpickled."""
     magic = next((x for x in (MAGIC, *OLDER) if data.startswith(x)), None)
     if magic is None:
         raise SnapshotError("not a ddpbus coordinator snapshot (or an older format)")
-    tag, body = data[len(magic):len(magic) + 32], data[len(magic) + 32:]
-    if not hmac.compare_digest(tag, hmac.new(key, body, hashlib.sha256).digest()):
-        raise SnapshotError("snapshot signature does not match the job key")
-    try:
-        snap = _load(magic, json.loads(zlib.decompress(body)))
-    except SnapshotError:
-        raise
-    except Exception as exc:
-        raise SnapshotError(f"snapshot does not load: {exc}") from exc
+    snap = untree(verify(magic, data, key), magic)
+    if not isinstance(snap, Snapshot):
+        raise SnapshotError("snapshot holds something else")
     return snap

@@ -76,6 +76,16 @@ class Reduced:
 
 Event = Joined | Timing | Metrics | Tick | Stop | BusRestored | Reduced
 
+
+def event_of(body: m.Message, msg_id: str = "") -> Event:
+    """The event a decoded message read by the coordinator becomes (``msg_id``: its
+    Nats-Msg-Id, for a stream message)."""
+    if isinstance(body, m.MetricsMsg):
+        return Metrics(body, msg_id)
+    if isinstance(body, m.Hello | m.Rejoin):
+        return Joined(body, msg_id)
+    return Timing(body, msg_id)  # type: ignore[arg-type]  # the core refuses a misfiled one
+
 # ----------------------------------------------------------------------- commands
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from nats.js.client import JetStreamContext
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 
+from ddpbus.codecs import Decoder
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
 from ddpbus.orchestrator import bundles, journal, snapshot
@@ -94,7 +95,7 @@ async def gather(js: JetStreamContext, job: str, key: bytes) -> dict[str, Any]:
         snap = snapshot.decode(raw, key)
         with contextlib.suppress(snapshot.SnapshotError):  # the snapshot alone, then
             snap = journal.extend(snap, await journal.read(kv, snap.journal, key),
-                                  journal.decoder(job, key))
+                                  Decoder(job=job, key=key))
         out |= from_state(snap.state, now)
         out["snapshot"] = {"stream_seq": snap.stream_seq,
                            "age_s": round(now - snap.saved_at, 3)}

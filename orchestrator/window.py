@@ -200,10 +200,7 @@ def maybe_average(s: State, now: float, out: Out) -> None:
     # train its last batch just before the SyncNow that averages it in; then the boundary
     # and the next window follow without another reduce)
     callbacks.boundaries(s, now, out)
-    mark = len(out)
     open_window(s, now, out)
-    if s.broker:
-        rounds.fold_plans(s, out, mark)
 
 
 def sync(s: State, now: float, out: Out) -> None:
@@ -341,21 +338,22 @@ def _advance(s: State) -> bool:
         s.epoch += 1
 
 
-def _send_plans(s: State, r: RankState, size: int, now: float, out: Out, *,
-                stream: bool) -> int:
+def _give(s: State, r: RankState, size: int, now: float, *, stream: bool
+          ) -> list[m.RankPlan]:
     """Give ``r`` up to ``size`` batches from the current epoch (and, with ``stream``, the
-    following ones); returns the batches given."""
+    following ones): the plans, in order (the caller decides how they travel)."""
+    plans: list[m.RankPlan] = []
     given, epoch = 0, s.epoch
     while given < size and epoch < s.schedule.epochs:
         a = _pool(s, epoch).take(r.rank, size - given, now)
         if a is not None:
             r.give(a)
             given += a.size
-            out.append(Send(m.StartEpoch(plan=a.plan(s.schedule.batch_size)), rank=r.rank))
+            plans.append(m.RankPlan(rank=r.rank, plan=a.plan(s.schedule.batch_size)))
         if not stream:
             break
         epoch += 1
-    return given
+    return plans
 
 
 def open_window(s: State, now: float, out: Out) -> None:
@@ -366,42 +364,31 @@ def open_window(s: State, now: float, out: Out) -> None:
     # (with no epoch left to dispatch, windows go on while reassigned work is in flight)
     pool = _pool(s, s.epoch)
     callbacks.announce_role(s, out)
-    mark = len(out)  # SetGlobalStep opens the window: it goes before this window's plans
     alive = s.alive
     counts = {r.rank: s.elche.counts.get(r.rank, s.elche.anchor) for r in alive}
     if s.schedule.is_sync:
         counts = dict.fromkeys(counts, 1)
     overshoot = s.schedule.overshoot(s.total_batches)
     progressive = s.schedule.effective_progressive
+    plans: list[m.RankPlan] = []
     if progressive and more:
-        _dispatch_progressive(s, counts, now, out)
+        plans = _dispatch_progressive(s, counts, now)
     elif more and pool.cursor == 0:
-        _dispatch_partitions(s, pool, now, out)
+        plans = _dispatch_partitions(s, pool, now)
     for r in alive:
         in_flight = r.in_flight() if not r.fresh else 0
         r.target = min(counts[r.rank], in_flight)
         r.budget = min(in_flight, r.target + overshoot) if not progressive else \
             r.target + overshoot
     budgets = tuple(s.ranks[i].budget if s.ranks[i].alive else 0 for i in range(len(s.ranks)))
-    plans: tuple[m.RankPlan, ...] = ()
-    if not s.broker:  # (the broker path folds them into each rank's Update instead)
-        plans = _fold_plans(out, mark)
-    out.insert(mark, Send(m.SetGlobalStep(global_step=s.global_step, step_budget=budgets,
-                                          plans=plans)))
-
-
-def _fold_plans(out: Out, mark: int) -> tuple[m.RankPlan, ...]:
-    """The window's StartEpochs (one per rank, after ``mark``) as one broadcast's list:
-    every rank reads control.all anyway, so a thousand ranks cost one message, not a
-    thousand. Each rank's plans keep their order (nothing else is sent to it between)."""
-    plans, keep = [], []
-    for c in out[mark:]:
-        if isinstance(c, Send) and isinstance(c.msg, m.StartEpoch) and c.rank is not None:
-            plans.append(m.RankPlan(rank=c.rank, plan=c.msg.plan))
-        else:
-            keep.append(c)
-    out[mark:] = keep
-    return tuple(plans)
+    # the window's plans ride in the broadcast that opens it (every rank reads control.all
+    # anyway: a thousand ranks cost one message, not a thousand); on the broker path each
+    # rank's rides in its Update instead, where a round is settling
+    broadcast = () if s.broker else tuple(plans)
+    out.append(Send(m.SetGlobalStep(global_step=s.global_step, step_budget=budgets,
+                                    plans=broadcast)))
+    if s.broker:
+        out += rounds.fold_plans(s, plans)
 
 
 def _available(s: State, *, stream: bool) -> int:
@@ -412,7 +399,8 @@ def _available(s: State, *, stream: bool) -> int:
                for e in range(s.epoch, last))
 
 
-def _dispatch_progressive(s: State, counts: dict[int, int], now: float, out: Out) -> None:
+def _dispatch_progressive(s: State, counts: dict[int, int], now: float
+                          ) -> list[m.RankPlan]:
     stream = s.schedule.policy is m.Policy.ASYNC
     wants = {r.rank: max(0, counts[r.rank] - r.in_flight()) if not r.fresh else 0
              for r in s.alive}
@@ -420,24 +408,24 @@ def _dispatch_progressive(s: State, counts: dict[int, int], now: float, out: Out
     if sum(wants.values()) > available:
         wants = clamp_total({r: w for r, w in wants.items() if w > 0}, available) | {
             r: 0 for r, w in wants.items() if w == 0}
-    for r in s.alive:
-        if wants[r.rank] > 0:
-            _send_plans(s, r, wants[r.rank], now, out, stream=stream)
+    return [p for r in s.alive if wants[r.rank] > 0
+            for p in _give(s, r, wants[r.rank], now, stream=stream)]
 
 
-def _dispatch_partitions(s: State, pool: Pool, now: float, out: Out) -> None:
+def _dispatch_partitions(s: State, pool: Pool, now: float) -> list[m.RankPlan]:
     """Non-progressive: the whole epoch at once, one consecutive slice per rank (C.7)."""
     ranks = [r.rank for r in s.alive if not r.fresh] or [r.rank for r in s.alive]
     if s.schedule.is_sync or not s.elche.calibrated:
         sizes = equal_split(pool.total, ranks)
     else:
         sizes = proportional_split(pool.total, {r: s.elche.smoothed_ms(r) for r in ranks})
+    plans = []
     for rank in ranks:
-        r = s.ranks[rank]
         a = pool.take(rank, sizes[rank], now)
         if a is not None:
-            r.give(a)
-            out.append(Send(m.StartEpoch(plan=a.plan(s.schedule.batch_size)), rank=rank))
+            s.ranks[rank].give(a)
+            plans.append(m.RankPlan(rank=rank, plan=a.plan(s.schedule.batch_size)))
+    return plans
 
 
 def _lookahead(s: State, r: RankState, now: float, out: Out) -> None:
@@ -447,6 +435,8 @@ def _lookahead(s: State, r: RankState, now: float, out: Out) -> None:
         return
     room = r.budget - r.steps
     if room > 0:
-        given = _send_plans(s, r, room, now, out, stream=True)
-        if given:
+        plans = _give(s, r, room, now, stream=True)
+        out += [Send(m.StartEpoch(plan=p.plan), rank=r.rank) for p in plans]
+        if plans:
+            given = sum(p.plan.partition_size for p in plans) // s.schedule.batch_size
             out.append(Record("lookahead", {"rank": r.rank, "batches": given}))

@@ -10,11 +10,13 @@ from nats.aio.client import Client
 from nats.js.api import KeyValueConfig
 
 from ddpbus.codecs import Outbound
+from ddpbus.codecs import subjects as sj
 from ddpbus.orchestrator import bus, journal, snapshot
 from ddpbus.orchestrator.state import Tick
 
 KEY = b"journal-store-key-0123456789abcd"
-BUCKET = "journal-test"
+JOB = "journal-test"
+BUCKET = sj.kv_bucket(JOB)
 
 
 def _seg(seq: int, *, t: float = 1.0) -> journal.Segment:
@@ -34,7 +36,7 @@ async def store(nc: Client):  # type: ignore[no-untyped-def]
 async def _on_base(js, kv) -> tuple[journal.Writer, int]:  # type: ignore[no-untyped-def]
     """A writer on base 1.0 of a stored snapshot, and that snapshot's revision."""
     rev = await kv.put(snapshot.SNAPSHOT_KEY, b"full snapshot 1")
-    w = journal.Writer(js, BUCKET, KEY)
+    w = journal.Writer(js, JOB, KEY)
     await w.rebased("1.0", 0.0)
     return w, rev
 
@@ -77,13 +79,13 @@ async def test_a_retried_segment_is_stored_once(store) -> None:  # type: ignore[
         return await op()
 
     await w.append(_seg(10), rev, lost_ack)
-    info = await js.stream_info(f"KV_{BUCKET}")
+    info = await js.stream_info(sj.kv_stream(JOB))
     assert info.state.messages == 2  # the snapshot and one segment
     assert [s.stream_seq for s in await journal.read(kv, "1.0", KEY)] == [10]
 
 
 def test_when_a_full_snapshot_is_due() -> None:
-    w = journal.Writer(None, BUCKET, KEY)
+    w = journal.Writer(None, JOB, KEY)
     assert w.full_due(0.0, 1)  # no base yet
     w.base, w.full_at = "1.0", 10.0
     assert not w.full_due(10.5, 100)

@@ -10,7 +10,7 @@ import json
 import pytest
 from cluster_sim import Sim
 
-from ddpbus.codecs import Encoder
+from ddpbus.codecs import Decoder, Encoder
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.orchestrator import journal, snapshot
@@ -20,7 +20,7 @@ from ddpbus.orchestrator.state import Event, Joined, Metrics, State
 
 KEY = b"journal-test-key-0123456789abcdef"
 JOB = "jj"
-DECODER = journal.decoder(JOB, KEY)
+DECODER = Decoder(job=JOB, key=KEY)
 
 
 def _as_received(event: Event) -> Event | journal.Wire:
