@@ -171,7 +171,7 @@ def _bytes(text: Any) -> bytes:
 
 def decode(data: bytes, secret: bytes) -> Segment:
     """What :func:`encode` stored; anything else is a :class:`~.snapshot.SnapshotError`."""
-    doc = snapshot.verify(MAGIC, data, secret)
+    doc = snapshot.verify(MAGIC, data, secret, what="journal segment")
     if not isinstance(doc, dict) or set(doc) != {"stream_seq", "generation", "saved_at",
                                                  "events", "outbox"}:
         raise snapshot.SnapshotError("journal segment is not the expected document")

@@ -293,17 +293,18 @@ def sign(magic: bytes, doc: Any, key: bytes, *, level: int = 3) -> bytes:
     return magic + hmac.new(key, body, hashlib.sha256).digest() + body
 
 
-def verify(magic: bytes, data: bytes, key: bytes) -> Any:
-    """The JSON document :func:`sign` stored under ``magic``, signature checked first."""
+def verify(magic: bytes, data: bytes, key: bytes, *, what: str = "snapshot") -> Any:
+    """The JSON document :func:`sign` stored under ``magic``, signature checked first
+    (``what`` names the record in an error)."""
     if not data.startswith(magic):
         raise SnapshotError(f"not a {magic.decode().strip()} record")
     tag, body = data[len(magic):len(magic) + 32], data[len(magic) + 32:]
     if not hmac.compare_digest(tag, hmac.new(key, body, hashlib.sha256).digest()):
-        raise SnapshotError("signature does not match the job key")
+        raise SnapshotError(f"{what} signature does not match the job key")
     try:
         return json.loads(zlib.decompress(body))
     except Exception as exc:
-        raise SnapshotError(f"record does not load: {exc}") from exc
+        raise SnapshotError(f"{what} does not load: {exc}") from exc
 
 
 def _load(magic: bytes, doc: Any) -> Any:
