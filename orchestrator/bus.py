@@ -292,6 +292,9 @@ ACK_EVERY = 64
 """StreamReader acks (AckAll) after this many handled messages ..."""
 ACK_DELAY_S = 0.05
 """... or once the stream has been quiet this long: one ack per burst, not per message."""
+YIELD_EVERY = 16
+"""StreamReader lets other tasks run after this many messages of a burst it is working
+through (a handler that never suspends would otherwise hold the loop for the whole burst)."""
 
 
 class StreamReader:
@@ -312,6 +315,8 @@ class StreamReader:
         self.last_stream_seq = 0
         self.handled_seq = 0  # the newest stream sequence handed to ``handler``
         self._inbox = ""
+        self._last: Msg | None = None  # the newest message handled and not acked yet
+        self._unacked = 0  # messages handled since the last ack
 
     async def _request(self) -> None:
         body = {"batch": self._batch, "expires": int(self._expires * 1e9),
@@ -320,51 +325,79 @@ class StreamReader:
         self._pending += self._batch
 
     async def run(self) -> None:
+        # delivered messages land in ``inbox`` from the subscription's callback; this loop
+        # takes whatever has arrived in one go (a burst of a thousand ranks' reports costs
+        # one wake-up, not a task and a timer per message as ``next_msg`` would)
+        inbox: deque[Msg] = deque()
+        arrived = asyncio.Event()
+
+        async def deliver(msg: Msg) -> None:
+            inbox.append(msg)
+            arrived.set()
+
         self._inbox = self._nc.new_inbox()
-        sub = await self._nc.subscribe(self._inbox, pending_msgs_limit=0,
+        sub = await self._nc.subscribe(self._inbox, cb=deliver, pending_msgs_limit=0,
                                        pending_bytes_limit=0)
-        last: Msg | None = None
-        unacked = 0
+        self._last, self._unacked = None, 0
         try:
             while True:
-                if self._pending <= self._batch // 2:
-                    try:
-                        await self._request()
-                    except _NATS_ERRORS:  # no connection right now: try again shortly
-                        self._pending = 0
-                        await asyncio.sleep(0.2)
-                        continue
-                try:
-                    msg = await sub.next_msg(timeout=ACK_DELAY_S if last is not None
-                                             else 3 * self._heartbeat)
-                except nats.errors.TimeoutError:
-                    if last is not None:  # quiet for a moment: one AckAll covers the lot
-                        await self._ack(last)
-                        last, unacked = None, 0
-                    else:
-                        self._pending = 0  # the server lost our requests (restart?)
+                if self._pending <= self._batch // 2 and not await self._ask():
                     continue
-                status = msg.headers.get("Status") if msg.headers else None
-                if status:
-                    self._on_status(status, msg)
+                if not inbox and not await self._wait(arrived):
                     continue
-                self._pending -= 1
-                self.delivered += 1
-                seq = _stream_seq(msg)
-                if seq is not None and seq <= self.handled_seq:
-                    self.redelivered += 1  # at-least-once below, exactly-once above
-                else:
-                    self.handled_seq = seq or self.handled_seq
-                    await self._handler(msg)
-                last, unacked = msg, unacked + 1
-                if unacked >= ACK_EVERY:
-                    await self._ack(last)
-                    last, unacked = None, 0
+                await self._take(inbox.popleft())
         finally:
-            if last is not None:
-                await self._ack(last)
+            await self._ack_held()
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
+
+    async def _ack_held(self) -> None:
+        """One AckAll for everything handled and not acked yet."""
+        if self._last is not None:
+            await self._ack(self._last)
+            self._last, self._unacked = None, 0
+
+    async def _ask(self) -> bool:
+        """Request the next batch; False (after a pause) when there is no connection."""
+        try:
+            await self._request()
+        except _NATS_ERRORS:  # no connection right now: try again shortly
+            self._pending = 0
+            await asyncio.sleep(0.2)
+            return False
+        return True
+
+    async def _wait(self, arrived: asyncio.Event) -> bool:
+        """Until a message arrives (True), or a quiet moment passes (False)."""
+        arrived.clear()
+        try:
+            await asyncio.wait_for(arrived.wait(), ACK_DELAY_S if self._last is not None
+                                   else 3 * self._heartbeat)
+        except TimeoutError:
+            if self._last is None:
+                self._pending = 0  # the server lost our requests (restart?)
+            await self._ack_held()  # quiet for a moment: one AckAll covers the lot
+            return False
+        return True
+
+    async def _take(self, msg: Msg) -> None:
+        status = msg.headers.get("Status") if msg.headers else None
+        if status:
+            self._on_status(status, msg)
+            return
+        self._pending -= 1
+        self.delivered += 1
+        seq = _stream_seq(msg)
+        if seq is not None and seq <= self.handled_seq:
+            self.redelivered += 1  # at-least-once below, exactly-once above
+        else:
+            self.handled_seq = seq or self.handled_seq
+            await self._handler(msg)
+        self._last, self._unacked = msg, self._unacked + 1
+        if self._unacked >= ACK_EVERY:
+            await self._ack_held()
+        elif self._unacked % YIELD_EVERY == 0:
+            await asyncio.sleep(0)  # the handler's follow-ups (a commit) get a turn
 
     async def reconnected(self) -> None:
         """The connection is back (a broker restart loses outstanding pull requests): ask
