@@ -180,6 +180,7 @@ class Coordinator:
         # reduce_ms starts at the decision, before the write-ahead snapshot)
         self._sync_published_at: float | None = None
         self.replay_s: float | None = None  # lease taken to caught up with the stream
+        self._beats: list[Msg] = []  # heartbeats since the last tick, applied at the next
 
     async def run(self) -> int:
         s = self.settings
@@ -689,8 +690,17 @@ class Coordinator:
                      self.replay_s)
 
     async def _on_live(self, msg: Msg) -> None:
-        body, _ = self._decode(msg)  # core NATS, out of stream order: not deduplicated
-        if isinstance(body, m.Heartbeat):
+        # liveness, not a decision: the beats are decoded and applied together at the next
+        # tick (a thousand ranks beating once a second interleave no work with a burst of
+        # reports that closes a window; a rank is timed out only by a tick, after its beats)
+        self._beats.append(msg)
+
+    async def _take_beats(self) -> None:
+        beats, self._beats = self._beats, []
+        for msg in beats:
+            body, _ = self._decode(msg)  # core NATS, out of stream order: not deduplicated
+            if not isinstance(body, m.Heartbeat):
+                continue
             if body.rank < self.config.world_size:
                 self.rank_rejected[body.rank] = dict(body.rejections)
                 if self.metrics is not None:
@@ -701,6 +711,7 @@ class Coordinator:
     async def _ticker(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
+            await self._take_beats()
             if self._bus_down_since is None:  # without a connection, silence proves nothing
                 await self.apply(Tick())
             if self.metrics is not None:

@@ -1,7 +1,8 @@
 """The coordinator's event intake, fuzzed: mutated, re-signed messages into the real core.
 
 The messages go through the service's own intake code, :meth:`Coordinator._on_stream`
-and :meth:`Coordinator._on_live` (decode, fence, message -> event, ``apply``, the
+and :meth:`Coordinator._on_live` with the ticker's :meth:`Coordinator._take_beats`
+(decode, fence, message -> event, ``apply``, the
 commands carried out and encoded for publishing), on a :class:`Coordinator` whose I/O is
 cut away: no lease to renew, no KV snapshot write, no publisher, no reducer. Each example
 starts from a core state of one phase (forming, training with a round in flight, the broker
@@ -101,8 +102,11 @@ class Intake(Coordinator):
         self.reader.handled_seq += 1
         before = len(self.decided)
         refused = self.rejected.total()
-        on = self._on_live if ".live." in x.subject else self._on_stream
-        await on(msg)  # type: ignore[arg-type]
+        if ".live." in x.subject:
+            await self._on_live(msg)  # type: ignore[arg-type]
+            await self._take_beats()  # (the service's ticker applies them)
+        else:
+            await self._on_stream(msg)  # type: ignore[arg-type]
         if self.rejected.total() > refused:
             return None
         return [c for batch in self.decided[before:] for c in batch]
