@@ -3,11 +3,11 @@
 A full snapshot (:mod:`.snapshot`) costs time linear in the cohort (at 1,024 ranks about
 60 ms of encoding), too much to write before every batch of commands while a thousand ranks
 report. So a full snapshot is written about once every :data:`FULL_EVERY_S`, at a quiet
-moment (just after an average was called: the window's gate is the decision everyone
-waits for, and the next one is a window away), or once :data:`OVERDUE` intervals late
-whatever is happening; before any other batch of commands is published the shell stores a
-*segment*: the events the core
-applied since the previous write, each with the ``now`` it was decided at, the stream
+moment (just after a window opened: the next gate, the decision everyone waits for, is a
+window away; not just after its SyncNow, which a thousand SyncAcks follow at once), or
+once :data:`OVERDUE` intervals late whatever is happening; before any other batch of
+commands is published the shell stores a *segment*: the events the core applied since
+the previous write, each with the ``now`` it was decided at, the stream
 sequence they cover, and the batch itself (encoded, with their ``Nats-Msg-Id``). The core
 is a pure function of ``(state, event, now)``, so the snapshot plus its segments, replayed
 in order, is exactly the state that decided the last stored batch: the write-ahead rule
@@ -27,8 +27,10 @@ stored (``Nats-Expected-Last-Subject-Sequence`` on the snapshot key's subject), 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
@@ -131,6 +133,7 @@ def extend(snap: snapshot.Snapshot, segments: list[Segment], decoder: Decoder
 
 
 MAGIC: Final = b"DDPBUS-JOURNAL-1\n"
+LEVEL: Final = 1  # zlib: a segment is written in front of commands, speed over size
 _OTHER_EVENTS: Final = (Tick, Stop, BusRestored, Reduced, Joined, Timing, Metrics)
 
 
@@ -139,6 +142,11 @@ def encode(seg: Segment, secret: bytes) -> bytes:
     flat: a message event is ``[now, subject, headers, payload (base64), stream]`` and a
     command ``[subject, headers, payload]`` (JSON's C encoder does those at once); the
     rare other events (ticks, a stop, a reducer's result) are snapshot trees."""
+    return snapshot.seal(MAGIC, document(seg), secret, level=LEVEL)
+
+
+def document(seg: Segment) -> bytes:
+    """The JSON text :func:`encode` compresses and signs."""
     b64 = base64.b64encode
     events: list[list[Any]] = []
     for item, now in seg.events:
@@ -150,7 +158,7 @@ def encode(seg: Segment, secret: bytes) -> bytes:
     doc = {"stream_seq": seg.stream_seq, "generation": seg.coordinator_generation,
            "saved_at": seg.saved_at, "events": events,
            "outbox": [[o.subject, o.headers, b64(o.payload).decode()] for o in seg.outbox]}
-    return snapshot.sign(MAGIC, doc, secret, level=1)
+    return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def _strings(headers: Any) -> dict[str, str]:
@@ -258,7 +266,9 @@ class Writer:
         if self.base is None:
             raise RuntimeError("no full snapshot to extend")
         name = key(self.base, self.index)
-        out = Outbound(subject=sj.kv_subject(self.job, name), payload=encode(seg, self.secret),
+        text = document(seg)  # now: the events' ``Tick``s and the like are read here
+        payload = await asyncio.to_thread(snapshot.seal, MAGIC, text, self.secret, level=LEVEL)
+        out = Outbound(subject=sj.kv_subject(self.job, name), payload=payload,
                        headers={sj.H_EXPECT_LAST_SUBJECT_SEQ: str(snapshot_rev),
                                 sj.H_EXPECT_LAST_SUBJECT_SEQ_SUBJECT:
                                     sj.kv_subject(self.job, snapshot.SNAPSHOT_KEY),

@@ -109,10 +109,10 @@ class CoordinatorSettings:
 EXIT_DEPOSED = 3
 LATENCY_SAMPLES = 200_000
 SYNC_NOW: Final = convert.BY_CLASS[m.SyncNow].type_name  # its Ddpbus-Type header
-# the Ddpbus-Type of a command that calls an average (SyncNow, or the broker path's
-# RequestParams): a window's gate has just been served, a quiet moment for a full snapshot
-CALLS_AVERAGE: Final = frozenset(convert.BY_CLASS[c].type_name
-                                 for c in (m.SyncNow, m.RequestParams))
+# the Ddpbus-Type of the broadcast that opens a window (after an average, or at the start):
+# the ranks go off to train and the next gate is a window away, a quiet moment for a full
+# snapshot (not right after SyncNow: a thousand SyncAcks follow it at once)
+OPENS_WINDOW: Final = convert.BY_CLASS[m.SetGlobalStep].type_name
 
 
 def _stored_at(msg: Msg) -> float | None:
@@ -475,7 +475,8 @@ class Coordinator:
                                  outbox=[*self.publisher.unstored(), *new],
                                  coordinator_generation=generation, saved_at=self.clock(),
                                  journal=base)
-        data = snapshot.encode(snap, self.settings.key)
+        text = snapshot.document(snap)  # the deciding state, before anything else runs
+        data = await asyncio.to_thread(snapshot.seal, snapshot.MAGIC, text, self.settings.key)
         try:
             self._snapshot_rev = await bus.retry_while_away(lambda: self._store(data))
         except KeyWrongLastSequenceError:
@@ -559,10 +560,10 @@ class Coordinator:
 
         The write is a journal segment (the events applied since the previous write: its
         cost follows the traffic, not the cohort), and a full snapshot about once every
-        ``--snapshot-every`` seconds, written right after a batch that called an average
+        ``--snapshot-every`` seconds, written right after a batch that opened a window
         (a quiet moment: the next gate is a window away) or when overdue. It is encoded
-        at once (no await between
-        taking the batch and encoding: the state is exactly the one that decided it);
+        at once (no await between taking the batch and encoding: the state is exactly the
+        one that decided it);
         while its KV write is in flight the core decides the next inputs, whose commands
         wait for the next write. So a burst of decisions (a thousand ranks' acks) costs a
         few writes, not one each."""
@@ -590,9 +591,9 @@ class Coordinator:
                 kinds = {out.headers.get(sj.H_TYPE) for out in batch}
                 if SYNC_NOW in kinds:
                     self._sync_published_at = now
-                if kinds & CALLS_AVERAGE:
+                if OPENS_WINDOW in kinds:
                     rebase = self.journal.wanted(time.monotonic())
-                    if rebase:  # the average's call on the wire before the loop blocks
+                    if rebase:  # the window's plans on the wire before the loop blocks
                         await self.publisher.flush(0.5)
                 for t, training in started:
                     self.decision_ms.append((now - t) * 1000.0)

@@ -267,7 +267,14 @@ def _class(path: str) -> type:
 
 
 def encode(snap: Snapshot, key: bytes) -> bytes:
-    return sign(MAGIC, tree(snap), key)
+    return seal(MAGIC, document(snap), key)
+
+
+def document(snap: Snapshot) -> bytes:
+    """The part of :func:`encode` that reads the state (its JSON text): done while the
+    state is the one to record; :func:`seal` (compression and signature, which need no
+    interpreter lock) may then run anywhere, off the event loop."""
+    return _json(tree(snap))
 
 
 def tree(obj: object) -> dict[str, Any]:
@@ -289,7 +296,17 @@ def untree(doc: Any, magic: bytes = MAGIC) -> object:
 
 def sign(magic: bytes, doc: Any, key: bytes, *, level: int = 3) -> bytes:
     """``magic | HMAC-SHA256(key, body) | body``, body = zlib(JSON of ``doc``)."""
-    body = zlib.compress(json.dumps(doc, separators=(",", ":")).encode(), level)
+    return seal(magic, _json(doc), key, level=level)
+
+
+def _json(doc: Any) -> bytes:
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def seal(magic: bytes, text: bytes, key: bytes, *, level: int = 3) -> bytes:
+    """:func:`sign` of a document already in JSON ``text`` (zlib and the HMAC release the
+    interpreter lock: a thread does this beside the event loop)."""
+    body = zlib.compress(text, level)
     return magic + hmac.new(key, body, hashlib.sha256).digest() + body
 
 
