@@ -1,7 +1,8 @@
 """Coalesced per-batch reports: one rule for the worker's trainer and for ``ddpbus simulate``.
 
 A rank holds its per-batch reports (Batch, LrUpdate) while they come faster than the run's
-report interval and sends them as one ``TimingMsg.Reports`` once the oldest is that old, at
+report interval and sends them as one ``TimingMsg.Reports`` once the oldest is its share of
+that old (0.75 to 1.25 of it, by rank: the ranks' sends spread over the interval), at
 ``MAX_REPORT_ITEMS - 1`` items (room for a batch's two), or at once when a Batch closes its
 window (stored with an ack: the coordinator's gate waits on it). Whatever else the rank
 sends goes after the reports it holds, and a rank going idle sends them first
@@ -11,10 +12,23 @@ sends goes after the reports it holds, and a rank going idle sends them first
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
 
 from ddpbus.codecs import messages as m
 
 Report = m.Batch | m.LrUpdate
+
+
+GOLDEN: Final = (5 ** 0.5 - 1) / 2  # rank r's share of the spread: frac(r * GOLDEN)
+
+
+def hold_share(rank: int) -> float:
+    """How much of the report interval ``rank`` holds its reports: 0.75 to 1.25, 1 on
+    average over the ranks, evenly spread (the golden-ratio sequence). Every rank starts
+    its window at the same broadcast; with one interval for all, a thousand ranks would
+    flush together, once an interval, and keep doing so; held for different spans, their
+    messages come spread over the interval."""
+    return 0.75 + 0.5 * ((rank * GOLDEN) % 1.0)
 
 
 @dataclass(slots=True)
@@ -24,6 +38,10 @@ class ReportBuffer:
     rank: int
     items: list[Report] = field(default_factory=list)
     since: float = 0.0  # when the first of them was made (seconds, any monotonic clock)
+    share: float = field(init=False)  # of the interval this rank holds them (hold_share)
+
+    def __post_init__(self) -> None:
+        self.share = hold_share(self.rank)
 
     def add(self, items: list[Report], now: float, interval_ms: float, *, closing: bool
             ) -> bool:
@@ -31,7 +49,7 @@ class ReportBuffer:
         if not self.items:
             self.since = now
         self.items += items
-        return (closing or (now - self.since) * 1000.0 >= interval_ms
+        return (closing or (now - self.since) * 1000.0 >= interval_ms * self.share
                 or len(self.items) > m.MAX_REPORT_ITEMS - 2)
 
     def take(self, interval_ms: float, *, durable: bool) -> list[tuple[m.Message, bool]]:

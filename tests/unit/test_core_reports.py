@@ -8,11 +8,14 @@ Reports of a few items each, and compared after every send.
 
 from __future__ import annotations
 
+import statistics
+from collections import Counter
+
 import pytest
 from core_harness import Core, formed, records, refusals, sends
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator.reports import ReportBuffer
+from ddpbus.orchestrator.reports import ReportBuffer, hold_share
 from ddpbus.orchestrator.state import Command, Phase, Timing
 
 
@@ -128,6 +131,21 @@ def test_reports_are_held_until_the_interval_then_go_as_one() -> None:
         (m.Reports(rank=2, items=(_b(1), lr, _b(2), _b(3))), False)]
     assert buf.items == []
     assert not buf.add([_b(4)], 8.1875, 100.0, closing=False)  # a new interval begins
+
+
+def test_ranks_hold_their_reports_for_spread_shares_of_the_interval() -> None:
+    shares = [hold_share(r) for r in range(1024)]
+    assert all(0.75 <= x <= 1.25 for x in shares)
+    assert abs(statistics.mean(shares) - 1.0) < 0.01  # the cohort's rate is the interval's
+    # evenly spread: every tenth of the range holds about a tenth of the ranks, so the
+    # cohort's sends never line up into one burst an interval
+    tenths = Counter(min(9, int((x - 0.75) * 20)) for x in shares)
+    assert all(90 <= tenths[k] <= 115 for k in range(10)), tenths
+    buf = ReportBuffer(1)  # share 1.059: an interval of 100 ms holds them 105.9 ms
+    assert buf.share == hold_share(1)
+    assert not buf.add([_b(1)], 0.0, 100.0, closing=False)
+    assert not buf.add([_b(2)], 0.105, 100.0, closing=False)
+    assert buf.add([_b(3)], 0.106, 100.0, closing=False)
 
 
 def test_a_closing_batch_sends_at_once_with_an_ack() -> None:
