@@ -51,6 +51,7 @@ T = TypeVar("T")
 
 SIGNATURE: Final = b"\x5a" * m.MODEL_SIGNATURE_BYTES  # one model: every rank the same
 HEARTBEAT_S: Final = 1.0
+BEAT_SLICE_S: Final = 0.02  # the ranks' beats go out in slices this far apart
 TICK_S: Final = 0.005  # the batch clock's resolution
 SEEN_IDS: Final = 200_000  # control Nats-Msg-Ids remembered, for duplicates
 INTAKES: Final = ("durable", "core")
@@ -395,8 +396,16 @@ class SimulatedCohort:
             await asyncio.sleep(TICK_S)
 
     async def _beat(self) -> None:
+        """Every rank beats once a ``HEARTBEAT_S``, rank r at phase r / ranks of it: real
+        workers start at different moments and their timers never line up (all of them
+        at once would be a burst no cluster sends)."""
+        n = len(self.ranks)
+        slices = min(n, round(HEARTBEAT_S / BEAT_SLICE_S))
         while True:
-            for r in self.ranks:
-                if not r.exited and r.encoder is not None and r.run is not None:
-                    self._send(r, m.Heartbeat(rank=r.rank, step_count=r.step))
-            await asyncio.sleep(HEARTBEAT_S)
+            started = self.clock()
+            for k in range(slices):
+                for r in self.ranks[k * n // slices:(k + 1) * n // slices]:
+                    if not r.exited and r.encoder is not None and r.run is not None:
+                        self._send(r, m.Heartbeat(rank=r.rank, step_count=r.step))
+                await asyncio.sleep(max(0.0, started + (k + 1) * HEARTBEAT_S / slices
+                                        - self.clock()))
