@@ -36,7 +36,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any, Final
 
-import nats
 import numpy
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -113,14 +112,6 @@ SYNC_NOW: Final = convert.BY_CLASS[m.SyncNow].type_name  # its Ddpbus-Type heade
 # the ranks go off to train and the next gate is a window away, a quiet moment for a full
 # snapshot (not right after SyncNow: a thousand SyncAcks follow it at once)
 OPENS_WINDOW: Final = convert.BY_CLASS[m.SetGlobalStep].type_name
-
-
-def _stored_at(msg: Msg) -> float | None:
-    """A JetStream message's store time (epoch seconds, the broker's clock)."""
-    try:
-        return msg.metadata.timestamp.timestamp()
-    except (ValueError, AttributeError, IndexError, nats.errors.Error):
-        return None
 
 
 def percentiles(samples: deque[float]) -> dict[str, float | int]:
@@ -671,7 +662,7 @@ class Coordinator:
         return env.message, env.msg_id  # type: ignore[return-value]
 
     async def _on_stream(self, msg: Msg) -> None:
-        stored_at = _stored_at(msg)
+        stored_at = self.reader.handled_at  # this message's (the reader read it off)
         if stored_at is not None:
             self.intake_ms.append((time.time() - stored_at) * 1000.0)
         body, msg_id = self._decode(msg)

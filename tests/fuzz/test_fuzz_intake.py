@@ -81,7 +81,7 @@ class Intake(Coordinator):
         self.published: list[Outbound] = []
         self.publisher = SimpleNamespace(submit=self.published.append,  # type: ignore[assignment]
                                          unstored=list)
-        self.reader = SimpleNamespace(handled_seq=0)  # type: ignore[assignment]
+        self.reader = SimpleNamespace(handled_seq=0, handled_at=None)  # type: ignore[assignment]
         self.decided: list[list[Command]] = []
         self.reduces: list[Reduce] = []
 

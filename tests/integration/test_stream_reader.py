@@ -1,0 +1,76 @@
+"""The stream reader on a real JetStream consumer: a burst is handed over in stream order,
+each message with the sequence and store time read off its reply subject (the same values
+nats-py's own metadata parse gives, for both reply-subject forms), nothing twice, and
+everything acked once the burst is through."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+
+from ddpbus.orchestrator import bus
+
+STREAM = "READER_TEST"
+
+
+def _msg(reply: str) -> Msg:
+    return Msg(_client=None, subject="s", reply=reply, data=b"", headers=None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("reply", [
+    "$JS.ACK.S.c.1.4711.12.1796521956229751000.3",  # 9 tokens
+    "$JS.ACK._.acchash.S.c.2.4711.12.1796521956229751000.3",  # with a domain, 11
+    "$JS.ACK.dom.acchash.S.c.2.4711.12.1796521956229751000.3.rnd",  # 12
+])
+def test_delivery_reads_what_the_client_metadata_reads(reply: str) -> None:
+    msg = _msg(reply)
+    got = bus.delivery(msg)
+    assert got is not None
+    assert got.stream_seq == msg.metadata.sequence.stream == 4711
+    assert got.stored_at == pytest.approx(msg.metadata.timestamp.timestamp(), abs=1e-6)
+
+
+@pytest.mark.parametrize("reply", [None, "", "_INBOX.abc", "$JS.ACK.S.c.1.x.12.17.3",
+                                   "$JS.ACK.S.c.1.4711.12.notatime.3", "$JS.ACK.S.c.1.2.3",
+                                   "$KV.ACK.S.c.1.4711.12.1796521956229751000.3"])
+def test_delivery_of_anything_else_is_none(reply: str | None) -> None:
+    assert bus.delivery(_msg(reply or "")) is None
+
+
+async def test_a_burst_is_read_in_order_once_with_store_times_then_acked(nc: Client) -> None:
+    js = nc.jetstream()
+    await js.add_stream(StreamConfig(name=STREAM, subjects=["reader.>"]))
+    await js.add_consumer(STREAM, ConsumerConfig(durable_name="r", ack_policy=AckPolicy.ALL))
+    before = time.time()
+    for i in range(600):  # more than one pull batch, faster than one handler each
+        await nc.publish(f"reader.{i % 3}", str(i).encode())
+    await nc.flush()
+    seen: list[tuple[int, int, float | None]] = []
+    done = asyncio.Event()
+    reader: bus.StreamReader
+
+    async def handler(msg: Msg) -> None:
+        seen.append((int(msg.data), reader.handled_seq, reader.handled_at))
+        if len(seen) == 600:
+            done.set()
+
+    reader = bus.StreamReader(nc, STREAM, "r", handler, batch=128)
+    task = asyncio.create_task(reader.run())
+    try:
+        await asyncio.wait_for(done.wait(), 20)
+        await asyncio.sleep(2 * bus.ACK_DELAY_S + 0.2)  # the quiet moment's AckAll
+        info = await js.consumer_info(STREAM, "r")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert [x for x, _, _ in seen] == list(range(600))
+    assert [seq for _, seq, _ in seen] == list(range(1, 601))
+    assert all(at is not None and before - 1 <= at <= time.time() for _, _, at in seen)
+    assert reader.redelivered == 0
+    assert info.ack_floor is not None
+    assert info.ack_floor.stream_seq == 600
