@@ -68,9 +68,11 @@ def on_reports(s: State, r: RankState, msg: m.Batch | m.Reports, now: float, out
     # while another rank holds the gate shut, this rank's reports cannot open it (on the
     # collective path a Batch changes only its own rank; the broker path's throttle may
     # change others): one look, not one per item of a closing report's dozen
-    shut = not s.broker and _gate_shut_by_another(s, r)
+    shut: bool | None = None  # looked at with the first Batch (LrUpdates never look)
     for item in (msg,) if isinstance(msg, m.Batch) else msg.items:
         if isinstance(item, m.Batch):
+            if shut is None:
+                shut = not s.broker and _gate_shut_by_another(s, r)
             on_batch(s, r, item, now, out)
             if not shut:
                 maybe_average(s, now, out)

@@ -15,6 +15,7 @@ import pytest
 from core_harness import Core, formed, records, refusals, sends
 
 from ddpbus.codecs import messages as m
+from ddpbus.orchestrator import snapshot
 from ddpbus.orchestrator.reports import ReportBuffer, hold_share
 from ddpbus.orchestrator.state import Command, Phase, Timing
 
@@ -90,6 +91,9 @@ def test_reports_do_exactly_what_their_items_do_alone(group: int) -> None:
         assert rb.lr == pytest.approx(0.1 / rb.step)  # the last LrUpdate of its last Reports
     assert (b.state.global_step, b.state.rounds) == (a.state.global_step, a.state.rounds)
     assert b.state.elche.counts == a.state.elche.counts
+    # the whole state, not only the books above (a Reports looks at the gate once while
+    # another rank holds it shut, where its items alone looked once each)
+    assert snapshot.tree(b.state) == snapshot.tree(a.state)
 
 
 def test_a_reports_closing_the_window_opens_the_gate() -> None:
