@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import lru_cache
-from typing import Final
+from typing import Final, NamedTuple
 
 from ddpbus.codecs.errors import BadSubject, ConfigError, ForeignJob
 
@@ -199,6 +199,29 @@ def round_version(name: str) -> tuple[int, str] | None:
     head, _, kind = name.partition(".")
     version = head.removeprefix("v")
     return (int(version), kind) if head.startswith("v") and version.isdigit() else None
+
+
+class Delivery(NamedTuple):
+    stream_seq: int
+    stored_at: float  # the store time, epoch seconds (the broker's clock)
+
+
+def delivery(reply: str | None) -> Delivery | None:
+    """A JetStream message's stream sequence and store time, read off the reply subject
+    it was delivered with (``$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer
+    seq>.<ns>.<pending>``, or the form with a domain and an account hash after ``ACK``, 11
+    or 12 tokens): what nats-py's ``msg.metadata`` parses into dataclasses and a datetime,
+    at a fraction of the cost (a reader needs it for every message); None for anything
+    else."""
+    tokens = (reply or "").split(".")
+    n = len(tokens)
+    if not (n == 9 or n >= 11) or tokens[0] != "$JS" or tokens[1] != "ACK":
+        return None
+    at = 5 if n == 9 else 7
+    try:
+        return Delivery(int(tokens[at]), int(tokens[at + 2]) / 1e9)
+    except ValueError:
+        return None
 
 
 def stream_subjects(job: str) -> list[str]:

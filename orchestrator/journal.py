@@ -27,10 +27,8 @@ stored (``Nats-Expected-Last-Subject-Sequence`` on the snapshot key's subject), 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import dataclasses
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
@@ -158,7 +156,7 @@ def document(seg: Segment) -> bytes:
     doc = {"stream_seq": seg.stream_seq, "generation": seg.coordinator_generation,
            "saved_at": seg.saved_at, "events": events,
            "outbox": [[o.subject, o.headers, b64(o.payload).decode()] for o in seg.outbox]}
-    return json.dumps(doc, separators=(",", ":")).encode()
+    return snapshot.json_text(doc)
 
 
 def _strings(headers: Any) -> dict[str, str]:
@@ -266,8 +264,7 @@ class Writer:
         if self.base is None:
             raise RuntimeError("no full snapshot to extend")
         name = key(self.base, self.index)
-        text = document(seg)  # now: the events' ``Tick``s and the like are read here
-        payload = await asyncio.to_thread(snapshot.seal, MAGIC, text, self.secret, level=LEVEL)
+        payload = await snapshot.seal_in_thread(MAGIC, document(seg), self.secret, level=LEVEL)
         out = Outbound(subject=sj.kv_subject(self.job, name), payload=payload,
                        headers={sj.H_EXPECT_LAST_SUBJECT_SEQ: str(snapshot_rev),
                                 sj.H_EXPECT_LAST_SUBJECT_SEQ_SUBJECT:

@@ -38,10 +38,6 @@ class ReportBuffer:
     rank: int
     items: list[Report] = field(default_factory=list)
     since: float = 0.0  # when the first of them was made (seconds, any monotonic clock)
-    share: float = field(init=False)  # of the interval this rank holds them (hold_share)
-
-    def __post_init__(self) -> None:
-        self.share = hold_share(self.rank)
 
     def add(self, items: list[Report], now: float, interval_ms: float, *, closing: bool
             ) -> bool:
@@ -49,7 +45,7 @@ class ReportBuffer:
         if not self.items:
             self.since = now
         self.items += items
-        return (closing or (now - self.since) * 1000.0 >= interval_ms * self.share
+        return (closing or (now - self.since) * 1000.0 >= interval_ms * hold_share(self.rank)
                 or len(self.items) > m.MAX_REPORT_ITEMS - 2)
 
     def take(self, interval_ms: float, *, durable: bool) -> list[tuple[m.Message, bool]]:

@@ -466,8 +466,7 @@ class Coordinator:
                                  outbox=[*self.publisher.unstored(), *new],
                                  coordinator_generation=generation, saved_at=self.clock(),
                                  journal=base)
-        text = snapshot.document(snap)  # the deciding state, before anything else runs
-        data = await asyncio.to_thread(snapshot.seal, snapshot.MAGIC, text, self.settings.key)
+        data = await snapshot.encode_in_thread(snap, self.settings.key)  # (state read first)
         try:
             self._snapshot_rev = await bus.retry_while_away(lambda: self._store(data))
         except KeyWrongLastSequenceError:

@@ -22,6 +22,7 @@ the per-object nodes (``DDPBUS-SNAP-2`` kept them inline, and is still read).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import collections
 import dataclasses
@@ -270,11 +271,16 @@ def encode(snap: Snapshot, key: bytes) -> bytes:
     return seal(MAGIC, document(snap), key)
 
 
+async def encode_in_thread(snap: Snapshot, key: bytes) -> bytes:
+    """:func:`encode`, its sealing beside the event loop (:func:`seal_in_thread`)."""
+    return await seal_in_thread(MAGIC, document(snap), key)
+
+
 def document(snap: Snapshot) -> bytes:
     """The part of :func:`encode` that reads the state (its JSON text): done while the
     state is the one to record; :func:`seal` (compression and signature, which need no
-    interpreter lock) may then run anywhere, off the event loop."""
-    return _json(tree(snap))
+    interpreter lock) may then run off the event loop (:func:`seal_in_thread`)."""
+    return json_text(tree(snap))
 
 
 def tree(obj: object) -> dict[str, Any]:
@@ -296,10 +302,11 @@ def untree(doc: Any, magic: bytes = MAGIC) -> object:
 
 def sign(magic: bytes, doc: Any, key: bytes, *, level: int = 3) -> bytes:
     """``magic | HMAC-SHA256(key, body) | body``, body = zlib(JSON of ``doc``)."""
-    return seal(magic, _json(doc), key, level=level)
+    return seal(magic, json_text(doc), key, level=level)
 
 
-def _json(doc: Any) -> bytes:
+def json_text(doc: Any) -> bytes:
+    """The compact JSON that snapshots and journal segments seal."""
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -308,6 +315,12 @@ def seal(magic: bytes, text: bytes, key: bytes, *, level: int = 3) -> bytes:
     interpreter lock: a thread does this beside the event loop)."""
     body = zlib.compress(text, level)
     return magic + hmac.new(key, body, hashlib.sha256).digest() + body
+
+
+async def seal_in_thread(magic: bytes, text: bytes, key: bytes, *, level: int = 3) -> bytes:
+    """:func:`seal` beside the event loop: the coordinator's writes do the JSON while the
+    state is the deciding one, and this part (zlib and the HMAC) in parallel with it."""
+    return await asyncio.to_thread(seal, magic, text, key, level=level)
 
 
 def verify(magic: bytes, data: bytes, key: bytes, *, what: str = "snapshot") -> Any:

@@ -65,28 +65,13 @@ def on_reports(s: State, r: RankState, msg: m.Batch | m.Reports, now: float, out
                ) -> None:
     """A Batch, or coalesced per-batch reports: each item does exactly what it would do
     arriving alone (a Batch is booked and may open the gate, an LrUpdate is noted)."""
-    # while another rank holds the gate shut, this rank's reports cannot open it (on the
-    # collective path a Batch changes only its own rank; the broker path's throttle may
-    # change others): one look, not one per item of a closing report's dozen
-    shut: bool | None = None  # looked at with the first Batch (LrUpdates never look)
     for item in (msg,) if isinstance(msg, m.Batch) else msg.items:
         if isinstance(item, m.Batch):
-            if shut is None:
-                shut = not s.broker and _gate_shut_by_another(s, r)
             on_batch(s, r, item, now, out)
-            if not shut:
+            if not _holds_gate(r):
                 maybe_average(s, now, out)
         else:
             r.lr = item.lr
-
-
-def _gate_shut_by_another(s: State, r: RankState) -> bool:
-    """Would :func:`maybe_average` stop at a blocker other than ``r`` (the same search,
-    the same hint left behind)?"""
-    if s.phase is not Phase.TRAINING or s.rendezvous is not None or s.orphans:
-        return False  # maybe_average returns before looking: nothing to skip or keep
-    blocker = _blocker(s)
-    return blocker is not None and blocker is not r
 
 
 def _credit(s: State, r: RankState, batches: int, now: float) -> None:
@@ -182,6 +167,12 @@ def _holdout(s: State, hint: int, ready: Callable[[RankState], bool]) -> RankSta
         if r.alive and not ready(r):
             return r
     return None
+
+
+def _holds_gate(r: RankState) -> bool:
+    """``r`` itself keeps the gate shut (alive, not ready): then no average can be called,
+    and a report of its own need not look (one that makes it ready does)."""
+    return r.alive and not (r.acked and _satisfied(r))
 
 
 def _blocker(s: State) -> RankState | None:

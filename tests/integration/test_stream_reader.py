@@ -13,6 +13,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
+from ddpbus.codecs import subjects as sj
 from ddpbus.orchestrator import bus
 
 STREAM = "READER_TEST"
@@ -29,7 +30,7 @@ def _msg(reply: str) -> Msg:
 ])
 def test_delivery_reads_what_the_client_metadata_reads(reply: str) -> None:
     msg = _msg(reply)
-    got = bus.delivery(msg)
+    got = sj.delivery(msg.reply)
     assert got is not None
     assert got.stream_seq == msg.metadata.sequence.stream == 4711
     assert got.stored_at == pytest.approx(msg.metadata.timestamp.timestamp(), abs=1e-6)
@@ -39,7 +40,7 @@ def test_delivery_reads_what_the_client_metadata_reads(reply: str) -> None:
                                    "$JS.ACK.S.c.1.4711.12.notatime.3", "$JS.ACK.S.c.1.2.3",
                                    "$KV.ACK.S.c.1.4711.12.1796521956229751000.3"])
 def test_delivery_of_anything_else_is_none(reply: str | None) -> None:
-    assert bus.delivery(_msg(reply or "")) is None
+    assert sj.delivery(reply) is None
 
 
 async def test_a_burst_is_read_in_order_once_with_store_times_then_acked(nc: Client) -> None:
