@@ -19,10 +19,13 @@ lognormal speed spread) against a real ``ddpbus coordinator`` process:
 The simulator runs on the same machine and takes CPU from the coordinator and the broker
 (its own CPU is reported too); a 2-core box is far from a cluster's control host, so read
 the curve, not the absolute numbers: CPU and RSS should grow linearly (or better) in the
-ranks, latency should stay flat while the coordinator keeps up.
+ranks, latency should stay flat while the coordinator keeps up. ``--coordinator-core N``
+gives the coordinator CPU N to itself (the broker, the simulator and the bench share the
+others), as a control host of its own would: it tells the coordinator's own cost from the
+contention with its load.
 
 Run: ``python bench/scale.py [--ranks 8 64 256 1024] [--rate 10] [--seconds 20]
-[--no-replay] [--json PATH]``.
+[--no-replay] [--coordinator-core N] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -110,8 +113,8 @@ async def _stream_bytes(url: str, job: str) -> tuple[int, int]:
         await nc.close()
 
 
-def run_job(url: str, tmp: Path, ranks: int, *, rate: float, seconds: float, kill: bool
-            ) -> dict[str, Any]:
+def run_job(url: str, tmp: Path, ranks: int, *, rate: float, seconds: float, kill: bool,
+            coordinator_core: int | None = None) -> dict[str, Any]:
     """One simulated job to its end; with ``kill`` the coordinator is SIGKILLed mid-training
     and restarted at once."""
     job = f"scale{ranks}{'r' if kill else 's'}"
@@ -131,16 +134,17 @@ def run_job(url: str, tmp: Path, ranks: int, *, rate: float, seconds: float, kil
                 "--dataset-size", str(per_rank * ranks)]
     logs = []
 
-    def spawn(name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def spawn(name: str, argv: list[str], core: int | None = None) -> subprocess.Popen[bytes]:
         log = (tmp / f"{job}.{name}.log").open("wb")
         logs.append(tmp / f"{job}.{name}.log")
+        pin = None if core is None else (lambda: os.sched_setaffinity(0, {core}))
         try:
             return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,  # noqa: S603
-                                    cwd=ROOT)
+                                    cwd=ROOT, preexec_fn=pin)  # noqa: PLW1509
         finally:
             log.close()
 
-    coordinator = spawn("coordinator", coord_argv)
+    coordinator = spawn("coordinator", coord_argv, coordinator_core)
     simulator = spawn("simulate", sim_argv)
     coord, sim = Sampler(coordinator), Sampler(simulator)
     killed_at: float | None = None
@@ -158,7 +162,7 @@ def run_job(url: str, tmp: Path, ranks: int, *, rate: float, seconds: float, kil
                 coordinator.send_signal(signal.SIGKILL)
                 coordinator.wait(10)
                 killed_at = time.time()
-                coordinator = spawn("coordinator-2", coord_argv)
+                coordinator = spawn("coordinator-2", coord_argv, coordinator_core)
                 coord = Sampler(coordinator)
             if coordinator.poll() not in (None, 0) or simulator.poll() not in (None, 0):
                 raise RuntimeError(f"{job}: a process failed\n" + "\n".join(
@@ -178,14 +182,16 @@ def run_job(url: str, tmp: Path, ranks: int, *, rate: float, seconds: float, kil
             "stream_messages": messages, "killed": killed_at is not None}
 
 
-def measure(ranks: int, *, rate: float, seconds: float, replay: bool) -> dict[str, Any]:
+def measure(ranks: int, *, rate: float, seconds: float, replay: bool,
+            coordinator_core: int | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ddpbus-scale-") as tmp:
         store = Path(tmp) / "js"
         with EmbeddedBroker(BrokerConfig(store_dir=store)) as broker:
             steady = run_job(broker.url, Path(tmp), ranks, rate=rate, seconds=seconds,
-                             kill=False)
+                             kill=False, coordinator_core=coordinator_core)
             again = (run_job(broker.url, Path(tmp), ranks, rate=rate, seconds=seconds,
-                             kill=True) if replay else None)
+                             kill=True, coordinator_core=coordinator_core)
+                     if replay else None)
     s, train_s = steady["summary"], steady["train_s"]
     return {
         "ranks": ranks,
@@ -218,11 +224,22 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0,
                         help="training time per job at the nominal rate")
     parser.add_argument("--no-replay", action="store_true")
+    parser.add_argument("--coordinator-core", type=int, metavar="CPU",
+                        help="run the coordinator alone on this CPU and the broker, the "
+                             "simulator and the bench on the others (a control host of its "
+                             "own, as in a cluster)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.coordinator_core is not None:
+        cores = os.sched_getaffinity(0)
+        if args.coordinator_core not in cores or len(cores) < 2:
+            parser.error(f"--coordinator-core {args.coordinator_core}: needs one of the CPUs "
+                         f"{sorted(cores)} and at least one more for the rest")
+        os.sched_setaffinity(0, cores - {args.coordinator_core})  # inherited by the rest
     rows = []
     for n in args.ranks:
-        row = measure(n, rate=args.rate, seconds=args.seconds, replay=not args.no_replay)
+        row = measure(n, rate=args.rate, seconds=args.seconds, replay=not args.no_replay,
+                      coordinator_core=args.coordinator_core)
         rows.append(row)
         print(f"  {n} ranks: done", file=sys.stderr, flush=True)
     head = ("ranks", "msgs/s", "intake p50", "intake p99", "decision p50", "decision p99",
@@ -237,7 +254,8 @@ def main() -> int:
                  r["coordinator_rss_mb"], r["simulator_cpu_pct"], r["stream_mb_per_hour"],
                  r["replay_s"])
         print(" | ".join(_fmt(c) for c in cells))
-    path = write_json("scale", {"rate": args.rate, "seconds": args.seconds, "rows": rows},
+    path = write_json("scale", {"rate": args.rate, "seconds": args.seconds,
+                                "coordinator_core": args.coordinator_core, "rows": rows},
                       args.json)
     print(f"JSON: {path}")
     return 0 if all(r["ok"] and r["replay_ok"] in (None, True) for r in rows) else 1
