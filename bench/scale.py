@@ -79,14 +79,16 @@ class Sampler:
         self.proc, self.cpu_s, self.rss_mb = proc, 0.0, 0.0
         self.started = time.monotonic()
         self.lived_s = 0.0
+        self.cpus: list[int] = []  # the CPUs it may run on (--coordinator-core)
 
     def sample(self) -> None:
         # it may exit between poll and read (a zombie has no VmHWM): the last read stands
         if self.proc.poll() is None:
             with contextlib.suppress(OSError, IndexError, ValueError):
                 cpu, rss = _cpu_s(self.proc.pid), _rss_peak_mb(self.proc.pid)
+                cpus = sorted(os.sched_getaffinity(self.proc.pid))
                 if not math.isnan(rss):
-                    self.cpu_s, self.rss_mb = cpu, rss
+                    self.cpu_s, self.rss_mb, self.cpus = cpu, rss, cpus
                     self.lived_s = time.monotonic() - self.started
 
     @property
@@ -178,7 +180,8 @@ def run_job(url: str, tmp: Path, ranks: int, *, rate: float, seconds: float, kil
         max(float(e["t"]) for e in events) - (_started(events) or 0.0))
     stored, messages = asyncio.run(_stream_bytes(url, job))
     return {"summary": done, "train_s": train_s, "coord_cpu_pct": coord.cpu_pct,
-            "coord_rss_mb": coord.rss_mb, "sim_cpu_pct": sim.cpu_pct, "stream_bytes": stored,
+            "coord_rss_mb": coord.rss_mb, "coord_cpus": coord.cpus,
+            "sim_cpus": sim.cpus, "sim_cpu_pct": sim.cpu_pct, "stream_bytes": stored,
             "stream_messages": messages, "killed": killed_at is not None}
 
 
@@ -202,6 +205,8 @@ def measure(ranks: int, *, rate: float, seconds: float, replay: bool,
         "training_decision_ms": s["training_decision_latency_ms"],
         "coordinator_cpu_pct": steady["coord_cpu_pct"],
         "coordinator_rss_mb": round(steady["coord_rss_mb"], 1),
+        "coordinator_cpus": steady["coord_cpus"],
+        "simulator_cpus": steady["sim_cpus"],
         "simulator_cpu_pct": steady["sim_cpu_pct"],
         "stream_mb_per_hour": round(steady["stream_bytes"] / max(train_s, 1e-9) * 3600 / 2**20,
                                     1),
