@@ -14,7 +14,12 @@ lognormal speed spread) against a real ``ddpbus coordinator`` process:
   time, times 3600: the retention sizing input);
 - replay: the coordinator is SIGKILLed in the middle of training and started again at once;
   snapshot load + replay = the new process from taking the lease to caught up with the
-  stream (target <= 5 s at 1,024 ranks). Skipped with ``--no-replay``.
+  stream (target <= 5 s at 1,024 ranks). Skipped with ``--no-replay``;
+- deaths (with ``--deaths COUNT``): COUNT ranks die together in the middle of training
+  (``ddpbus simulate --kill``; heartbeat timeout 5 s): the membership changes and
+  communicator rebuilds the coordinator took for them (target: one), the seconds from
+  their declaration to the next average, and whether the run still ended with every
+  sample trained once.
 
 The simulator runs on the same machine and takes CPU from the coordinator and the broker
 (its own CPU is reported too); a 2-core box is far from a cluster's control host, so read
@@ -25,7 +30,7 @@ others), as a control host of its own would: it tells the coordinator's own cost
 contention with its load.
 
 Run: ``python bench/scale.py [--ranks 8 64 256 1024] [--rate 10] [--seconds 20]
-[--no-replay] [--coordinator-core N] [--json PATH]``.
+[--no-replay] [--deaths COUNT] [--coordinator-core N] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -55,6 +61,7 @@ KEY = b"scale-bench-job-key-0123456789ab"
 BATCH = 8  # bench/specs/simulated.py's batch size
 EPOCHS = 2
 TICKS = os.sysconf("SC_CLK_TCK")
+DEATH_TIMEOUT_S = 5.0  # --deaths: declared in seconds, not the default half minute
 
 
 def _cpu_s(pid: int) -> float:
@@ -116,10 +123,11 @@ async def _stream_bytes(url: str, job: str) -> tuple[int, int]:
 
 
 def run_job(url: str, tmp: Path, ranks: int, *, rate: float, seconds: float, kill: bool,
-            coordinator_core: int | None = None) -> dict[str, Any]:
+            coordinator_core: int | None = None, deaths: int = 0) -> dict[str, Any]:
     """One simulated job to its end; with ``kill`` the coordinator is SIGKILLed mid-training
-    and restarted at once."""
-    job = f"scale{ranks}{'r' if kill else 's'}"
+    and restarted at once; with ``deaths`` that many ranks die together mid-training (the
+    heartbeat timeout is then ``DEATH_TIMEOUT_S``)."""
+    job = f"scale{ranks}{'r' if kill else 'd' if deaths else 's'}"
     key_file = tmp / "job.key"
     key_file.write_bytes(KEY)
     # samples per rank so that an epoch lasts ``seconds / EPOCHS`` at ``rate``
@@ -130,10 +138,12 @@ def run_job(url: str, tmp: Path, ranks: int, *, rate: float, seconds: float, kil
     summary, events_file = tmp / f"{job}.summary.json", tmp / f"{job}.events.jsonl"
     coord_argv = [*CLI, "coordinator", *common, "--world-size", str(ranks), "--backend",
                   "gloo", "--summary", str(summary), "--events", str(events_file),
+                  *(["--knob", f"heartbeat_timeout={DEATH_TIMEOUT_S}"] if deaths else []),
                   f"{SPECS / 'simulated.py'}:spec"]
     sim_argv = [*CLI, "simulate", *common, "--ranks", str(ranks), "--rate", str(rate),
                 "--speeds", "lognormal:0.2", "--intake", "core",  # the lightest client side
-                "--dataset-size", str(per_rank * ranks)]
+                "--dataset-size", str(per_rank * ranks),
+                *(["--kill", f"{deaths}@{seconds / 2}"] if deaths else [])]
     logs = []
 
     def spawn(name: str, argv: list[str], core: int | None = None) -> subprocess.Popen[bytes]:
@@ -182,11 +192,28 @@ def run_job(url: str, tmp: Path, ranks: int, *, rate: float, seconds: float, kil
     return {"summary": done, "train_s": train_s, "coord_cpu_pct": coord.cpu_pct,
             "coord_rss_mb": coord.rss_mb, "coord_cpus": coord.cpus,
             "sim_cpus": sim.cpus, "sim_cpu_pct": sim.cpu_pct, "stream_bytes": stored,
-            "stream_messages": messages, "killed": killed_at is not None}
+            "stream_messages": messages, "killed": killed_at is not None, "events": events}
+
+
+def _deaths(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """How the coordinator took the ranks that died together: in how many membership
+    changes (runs of ``rank-dead`` records with nothing between them), how many new
+    communicators it formed for them, and the seconds from the declaration to the first
+    average after it."""
+    at = [i for i, e in enumerate(events) if e["event"] == "rank-dead"]
+    if not at:
+        return {"dead": 0, "membership_changes": 0, "rebuilds": 0, "resumed_s": None}
+    changes = 1 + sum(1 for a, b in itertools.pairwise(at) if b != a + 1)
+    after = events[at[-1] + 1:]
+    declared = float(events[at[-1]]["t"])
+    average = next((float(e["t"]) for e in after if e["event"] == "average"), None)
+    return {"dead": len(at), "membership_changes": changes,
+            "rebuilds": sum(1 for e in events[at[0]:] if e["event"] == "session-formed"),
+            "resumed_s": None if average is None else round(average - declared, 2)}
 
 
 def measure(ranks: int, *, rate: float, seconds: float, replay: bool,
-            coordinator_core: int | None = None) -> dict[str, Any]:
+            coordinator_core: int | None = None, deaths: int = 0) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ddpbus-scale-") as tmp:
         store = Path(tmp) / "js"
         with EmbeddedBroker(BrokerConfig(store_dir=store)) as broker:
@@ -195,6 +222,9 @@ def measure(ranks: int, *, rate: float, seconds: float, replay: bool,
             again = (run_job(broker.url, Path(tmp), ranks, rate=rate, seconds=seconds,
                              kill=True, coordinator_core=coordinator_core)
                      if replay else None)
+            dying = (run_job(broker.url, Path(tmp), ranks, rate=rate, seconds=seconds,
+                             kill=False, coordinator_core=coordinator_core,
+                             deaths=deaths) if 0 < deaths < ranks else None)
     s, train_s = steady["summary"], steady["train_s"]
     return {
         "ranks": ranks,
@@ -215,6 +245,9 @@ def measure(ranks: int, *, rate: float, seconds: float, replay: bool,
         "train_s": round(train_s, 2),
         "replay_s": None if again is None else again["summary"].get("replay_s"),
         "replay_ok": None if again is None else again["summary"]["ok"],
+        "deaths": None if dying is None else {
+            **_deaths(dying["events"]), "ok": dying["summary"]["ok"],
+            "coverage_exact": dying["summary"]["coverage"]["exact"]},
     }
 
 
@@ -233,8 +266,16 @@ def main() -> int:
                         help="run the coordinator alone on this CPU and the broker, the "
                              "simulator and the bench on the others (a control host of its "
                              "own, as in a cluster)")
+    parser.add_argument("--deaths", type=int, default=0, metavar="COUNT",
+                        help="a third job per rank count in which COUNT ranks die together "
+                             "mid-training (heartbeat timeout "
+                             f"{DEATH_TIMEOUT_S:g} s): reported are the membership changes "
+                             "and communicator rebuilds it took and the time to the next "
+                             "average")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.deaths < 0:
+        parser.error("--deaths must be >= 0")
     if args.coordinator_core is not None:
         cores = os.sched_getaffinity(0)
         if args.coordinator_core not in cores or len(cores) < 2:
@@ -244,7 +285,7 @@ def main() -> int:
     rows = []
     for n in args.ranks:
         row = measure(n, rate=args.rate, seconds=args.seconds, replay=not args.no_replay,
-                      coordinator_core=args.coordinator_core)
+                      coordinator_core=args.coordinator_core, deaths=args.deaths)
         rows.append(row)
         print(f"  {n} ranks: done", file=sys.stderr, flush=True)
     head = ("ranks", "msgs/s", "intake p50", "intake p99", "decision p50", "decision p99",
@@ -259,11 +300,21 @@ def main() -> int:
                  r["coordinator_rss_mb"], r["simulator_cpu_pct"], r["stream_mb_per_hour"],
                  r["replay_s"])
         print(" | ".join(_fmt(c) for c in cells))
+    dying = [r for r in rows if r["deaths"] is not None]
+    if dying:
+        print("ranks | died together | membership changes | rebuilds | declared -> next "
+              "average s | ok | coverage exact")
+        for r in dying:
+            d = r["deaths"]
+            print(" | ".join(_fmt(c) for c in (r["ranks"], d["dead"], d["membership_changes"],
+                                               d["rebuilds"], d["resumed_s"], d["ok"],
+                                               d["coverage_exact"])))
     path = write_json("scale", {"rate": args.rate, "seconds": args.seconds,
-                                "coordinator_core": args.coordinator_core, "rows": rows},
-                      args.json)
+                                "coordinator_core": args.coordinator_core,
+                                "deaths": args.deaths, "rows": rows}, args.json)
     print(f"JSON: {path}")
-    return 0 if all(r["ok"] and r["replay_ok"] in (None, True) for r in rows) else 1
+    return 0 if all(r["ok"] and r["replay_ok"] in (None, True)
+                    and (r["deaths"] is None or r["deaths"]["ok"]) for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -323,6 +323,10 @@ def _add_simulate(sub: Any) -> None:
                      help="how the ranks read their control subjects: durable (each from "
                      "its own consumer, acked, as a worker does; default) or core (one "
                      "core-NATS subscription for all: the lightest, for the largest loads)")
+    sim.add_argument("--kill", type=_kill_spec, metavar="COUNT@SECONDS",
+                     help="the COUNT highest ranks die together SECONDS after the first "
+                     "batch (no Exiting, no more beats: a rack losing power), for the "
+                     "coordinator to declare in one membership change")
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -338,7 +342,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         try:
             cohort = SimulatedCohort(nc, args.job, key, args.ranks, rate=args.rate,
                                      speed=factors, dataset_size=args.dataset_size or 0,
-                                     intake=args.intake)
+                                     intake=args.intake, kill=args.kill)
             await cohort.run()
         finally:
             await nc.close()
@@ -399,6 +403,18 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
     return value
+
+
+def _kill_spec(text: str) -> tuple[int, float]:
+    count, at, seconds = text.partition("@")
+    try:
+        spec = int(count), float(seconds)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not COUNT@SECONDS") from None
+    if not at or spec[0] < 1 or not 0 <= spec[1] < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: COUNT@SECONDS with COUNT >= 1 and "
+                                         "SECONDS >= 0")
+    return spec
 
 
 def _positive_float(text: str) -> float:

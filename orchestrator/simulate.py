@@ -8,7 +8,10 @@ given at its own speed inside the budget of each ``SetGlobalStep`` — one ``Bat
 per batch at ``rate * speed`` batches per second, a ``MetricsMsg`` per finished plan —
 answers ``SyncNow`` with ``SyncAck``, callbacks with their results, beats on
 ``live.rank.N`` every second, and says ``Exiting`` on ``Shutdown``. Every message is
-encoded, signed and fenced by the codec exactly as a worker's are.
+encoded, signed and fenced by the codec exactly as a worker's are. With ``kill=(COUNT,
+SECONDS)`` the COUNT highest ranks die together SECONDS after the cohort's first batch, as
+a rack that loses power: no Exiting, no more beats, reports or answers (what they held is
+lost), for the coordinator to find by their silence.
 
 Each rank reads its control subjects as a worker does, from its own durable consumer
 (``intake="durable"``, the default: in stream order, acked, so the stream's retention sees
@@ -121,9 +124,16 @@ class SimulatedCohort:
     def __init__(self, nc: Client, job: str, key: bytes, world: int, *, rate: float = 10.0,
                  speed: list[float] | None = None, dataset_size: int = 0,
                  join_timeout: float = 60.0, intake: str = "durable",
+                 kill: tuple[int, float] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if world < 1 or rate <= 0:
             raise ConfigError("simulate needs at least one rank and a positive rate")
+        if kill is not None and not (0 < kill[0] < world and kill[1] >= 0):
+            raise ConfigError(f"kill {kill[0]}@{kill[1]}: between 1 and {world - 1} ranks "
+                              "(one must survive), at 0 seconds or later")
+        self.kill = kill
+        self.killed: list[int] = []  # the ranks that died together
+        self._first_batch_at: float | None = None
         if intake not in INTAKES:
             raise ConfigError(f"intake must be one of {', '.join(INTAKES)}, got {intake!r}")
         self.intake = intake
@@ -360,6 +370,8 @@ class SimulatedCohort:
         """One batch of ``r``'s head plan: its Batch report, and the plan's MetricsMsg
         when it is the last."""
         plan = r.plans[0]
+        if self._first_batch_at is None:
+            self._first_batch_at = now
         if plan.started_at is None:
             plan.started_at = now
         plan.done += 1
@@ -379,9 +391,22 @@ class SimulatedCohort:
                                        epoch_ms=(now - plan.started_at) * 1000.0,
                                        samples_processed=plan.done * batch), durable=True)
 
+    def _maybe_kill(self, now: float) -> None:
+        """The ``kill`` ranks die, at once, when their moment has come."""
+        if (self.kill is None or self.killed or self._first_batch_at is None
+                or now < self._first_batch_at + self.kill[1]):
+            return
+        for r in self.ranks[self.world - self.kill[0]:]:
+            if not r.exited:
+                r.reports.items.clear()  # held, never sent: lost with the rank
+                self.killed.append(r.rank)
+                self._exit(r, say=False)
+        log.info("simulated ranks %s died together", self.killed)
+
     async def _batch_clock(self) -> None:
         while True:
             now = self.clock()
+            self._maybe_kill(now)
             while self._due and self._due[0][0] <= now:
                 due, rank = heapq.heappop(self._due)
                 r = self.ranks[rank]

@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -14,9 +16,10 @@ import pytest
 from jobs import KEY, ROOT, Job, wait_for
 
 from ddpbus.codecs import subjects as sj
+from ddpbus.codecs.errors import ConfigError
 from ddpbus.orchestrator.broker import EmbeddedBroker
 from ddpbus.orchestrator.bus import connect
-from ddpbus.orchestrator.simulate import speeds
+from ddpbus.orchestrator.simulate import SimulatedCohort, speeds
 
 SPEC = f"{ROOT / 'bench' / 'specs' / 'simulated.py'}:spec"
 
@@ -25,7 +28,8 @@ pytestmark = pytest.mark.timeout(240)
 
 def _simulated_job(url: str, tmp: Path, ranks: int, *, rate: float, speed: str,
                    epochs: int, intake: str = "durable",
-                   coordinator_args: tuple[str, ...] = ()) -> Job:
+                   coordinator_args: tuple[str, ...] = (),
+                   simulate_args: tuple[str, ...] = ()) -> Job:
     tmp.mkdir(parents=True, exist_ok=True)
     key_file = tmp / "job.key"
     key_file.write_bytes(KEY)
@@ -38,7 +42,7 @@ def _simulated_job(url: str, tmp: Path, ranks: int, *, rate: float, speed: str,
                               "--events", str(tmp / "events.jsonl"), *coordinator_args,
                               SPEC])
     job.spawn("simulate", ["simulate", *common, "--ranks", str(ranks), "--rate", str(rate),
-                           "--speeds", speed, "--intake", intake])
+                           "--speeds", speed, "--intake", intake, *simulate_args])
     return job
 
 
@@ -71,6 +75,53 @@ def test_simulated_ranks_train_a_run_to_its_end(broker: EmbeddedBroker, tmp_path
     assert 0 < decisions["count"] < summary["messages_handled"]
     assert 0 <= decisions["p50"] <= decisions["p99"] <= decisions["max"]
     assert summary["replay_s"] is None  # a fresh job: nothing was replayed
+
+
+def test_ranks_that_die_together_are_one_membership_change(broker: EmbeddedBroker,
+                                                           tmp_path: Path) -> None:
+    """Half of 64 simulated ranks lose power at once (`--kill 32@1`): their last beats
+    landed up to a second apart, yet the coordinator process declares all 32 in one tick,
+    forms one new communicator over the 32 survivors, hands them the lost work, and the
+    run ends with every sample of every epoch trained once."""
+    ranks, dead = 64, 32
+    job = _simulated_job(broker.url, tmp_path, ranks, rate=40.0, speed="equal", epochs=2,
+                         intake="core", coordinator_args=("--knob", "heartbeat_timeout=5"),
+                         simulate_args=("--kill", f"{dead}@1", "--dataset-size",
+                                        str(ranks * 8 * 40)))
+    try:
+        summary = job.wait(200)
+    finally:
+        job.kill()
+    assert summary["ok"], summary
+    assert summary["epochs"] == 2
+    assert summary["coverage"]["exact"]
+    events = job.events()
+    at = [i for i, e in enumerate(events) if e["event"] == "rank-dead"]
+    deaths = [events[i] for i in at]
+    assert sorted(e["rank"] for e in deaths) == list(range(ranks - dead, ranks))
+    # one membership change: all 32 declared in one transition, nothing between them
+    assert at == list(range(at[0], at[0] + dead))
+    assert deaths[-1]["alive"] == list(range(ranks - dead))
+    requested = [e for e in events if e["event"] == "session-requested"]
+    assert len(requested) == 2  # the first communicator, and one rebuild
+    sessions = [e for e in events if e["event"] == "session-formed"]
+    assert [len(e["members"]) for e in sessions] == [ranks, ranks - dead]
+    assert sessions[-1]["members"] == list(range(ranks - dead))
+
+
+@pytest.mark.parametrize("flag", ["32", "x@1", "0@1", "3@-1", "3@inf"])
+def test_bad_kill_flags_are_refused(flag: str, tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "ddpbus.orchestrator.cli", "simulate",
+                           "--job", "sim", "--nats", "nats://127.0.0.1:1", "--ranks", "8",
+                           "--kill", flag], check=False, capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert done.returncode == 2
+    assert "COUNT@SECONDS" in done.stderr
+
+
+def test_a_kill_needs_a_survivor() -> None:
+    with pytest.raises(ConfigError, match="one must survive"):
+        SimulatedCohort(None, "sim", KEY, 8, kill=(8, 1.0))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("spec", "message"), [
