@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from jobs import KEY, ROOT, Job, wait_for
@@ -46,20 +47,25 @@ def _simulated_job(url: str, tmp: Path, ranks: int, *, rate: float, speed: str,
     return job
 
 
+def _to_the_end(job: Job, epochs: int = 2) -> dict[str, Any]:
+    """The job run to its end, every process stopped; its summary, checked ok."""
+    try:
+        summary = job.wait(200)
+    finally:
+        job.kill()
+    assert summary["ok"], summary
+    assert summary["epochs"] == epochs
+    return summary
+
+
 @pytest.mark.parametrize("intake", ["durable", "core"])
 def test_simulated_ranks_train_a_run_to_its_end(broker: EmbeddedBroker, tmp_path: Path,
                                                 intake: str) -> None:
     """Each rank reading its own durable (as a worker does), or all through one core
     subscription (the lightest, for the largest loads)."""
     ranks = 24
-    job = _simulated_job(broker.url, tmp_path, ranks, rate=40.0, speed="slow:0.25,3",
-                         epochs=2, intake=intake)
-    try:
-        summary = job.wait(200)
-    finally:
-        job.kill()
-    assert summary["ok"], summary
-    assert summary["epochs"] == 2
+    summary = _to_the_end(_simulated_job(broker.url, tmp_path, ranks, rate=40.0,
+                                         speed="slow:0.25,3", epochs=2, intake=intake))
     assert summary["rounds"] >= 2
     assert summary["coverage"]["exact"]  # every sample of every epoch, once
     share = {int(r): v for r, v in summary["batch_share"].items()}
@@ -88,12 +94,7 @@ def test_ranks_that_die_together_are_one_membership_change(broker: EmbeddedBroke
                          intake="core", coordinator_args=("--knob", "heartbeat_timeout=5"),
                          simulate_args=("--kill", f"{dead}@1", "--dataset-size",
                                         str(ranks * 8 * 40)))
-    try:
-        summary = job.wait(200)
-    finally:
-        job.kill()
-    assert summary["ok"], summary
-    assert summary["epochs"] == 2
+    summary = _to_the_end(job)
     assert summary["coverage"]["exact"]
     events = job.events()
     at = [i for i, e in enumerate(events) if e["event"] == "rank-dead"]
