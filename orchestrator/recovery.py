@@ -133,18 +133,22 @@ def resolve_orphans(s: State, now: float, out: Out) -> None:
     for r in orphans:
         if s.round_ok and r.rank in s.round_members and not r.acked:
             r.seal(r.sync_step)  # a survivor completed that all-reduce: r was in it
-        reassigned += _reassign(s, r, _truncate(s, r), out)
+        reassigned += _reassign(s, r, _truncate(s, r, out), out)
     if reassigned and s.phase is Phase.FINISHING:
         s.phase = Phase.TRAINING
+    window.aggregate_ready(s, now, out)  # an epoch may have waited only for lost metrics
     rebuild(s, f"ranks {[r.rank for r in orphans]} lost", now, out)
 
 
-def _truncate(s: State, r: RankState) -> list[tuple[int, int, int]]:
+def _truncate(s: State, r: RankState, out: Out) -> list[tuple[int, int, int]]:
     """Cut the dead rank's assignments to their part in the consensus; return the rest as
     ``(epoch, batch offset, batches)``."""
     for a in r.queue:
         if a.metrics is None:
             a.orphaned = True  # its metrics will never come
+            if a.complete:  # trained; its metrics were held behind the SyncAck it never sent
+                out.append(Record("metrics-lost", {"rank": r.rank, "epoch": a.epoch,
+                                                   "batches": a.size}))
     lost: list[tuple[int, int, int]] = []
     base = r.history_base
     for a in r.history:

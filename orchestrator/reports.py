@@ -7,6 +7,12 @@ that old (0.75 to 1.25 of it, by rank: the ranks' sends spread over the interval
 window (stored with an ack: the coordinator's gate waits on it). Whatever else the rank
 sends goes after the reports it holds, and a rank going idle sends them first
 (subjects.md, "Coalesced reports").
+
+The MetricsMsg of a plan finished by the window's closing batch is held: it goes behind
+the rank's next reports, or its share of the report interval after its SyncAck, or before
+its Exiting, whichever comes first. The gate waits on the closing batches only; sent with
+them, a thousand ranks' metrics would queue at the coordinator in front of the last one,
+and sent right behind the SyncAcks, in front of the epoch's aggregate.
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ class ReportBuffer:
     rank: int
     items: list[Report] = field(default_factory=list)
     since: float = 0.0  # when the first of them was made (seconds, any monotonic clock)
+    closed: bool = False  # the last flush closed the rank's window
+    settled: list[m.MetricsMsg] = field(default_factory=list)  # metrics held since then
+    due: float | None = None  # when the held metrics go at the latest (same clock)
 
     def add(self, items: list[Report], now: float, interval_ms: float, *, closing: bool
             ) -> bool:
@@ -51,8 +60,45 @@ class ReportBuffer:
     def take(self, interval_ms: float, *, durable: bool) -> list[tuple[m.Message, bool]]:
         """Empty the buffer into ``(message, durable)`` pairs to send in order: one Reports,
         or a lone report as itself (with interval 0 every report alone, as flodl sends
-        them; only a Batch ever needs the ack)."""
+        them; only a Batch ever needs the ack). A window-closing flush (``durable``) holds
+        the metrics that follow it; any other flush takes the held ones behind it."""
         items, self.items = self.items, []
         if len(items) > 1 and interval_ms > 0:
-            return [(m.Reports(rank=self.rank, items=tuple(items)), durable)]
-        return [(x, durable and isinstance(x, m.Batch)) for x in items]
+            out: list[tuple[m.Message, bool]] = [
+                (m.Reports(rank=self.rank, items=tuple(items)), durable)]
+        else:
+            out = [(x, durable and isinstance(x, m.Batch)) for x in items]
+        if durable:
+            self.closed = True
+        elif items:
+            out += self.release()
+        return out
+
+    def metrics(self, msg: m.MetricsMsg) -> list[tuple[m.Message, bool]]:
+        """A finished plan's MetricsMsg: to send now, or (an empty list) held behind the
+        window's closing flush (or behind metrics held already: they keep their order)."""
+        if self.closed or self.settled:
+            self.settled.append(msg)
+            return []
+        return [(msg, True)]
+
+    def acked(self, now: float, interval_ms: float) -> list[tuple[m.Message, bool]]:
+        """The rank answered SyncNow at ``now``: its window is over. The held metrics go
+        behind its next reports, or ``hold_share`` of the interval from now, whichever is
+        first (:meth:`overdue`); with interval 0 at once, behind the SyncAck."""
+        self.closed = False
+        if interval_ms <= 0:
+            return self.release()
+        if self.settled and self.due is None:
+            self.due = now + interval_ms / 1000.0 * hold_share(self.rank)
+        return []
+
+    def overdue(self, now: float) -> list[tuple[m.Message, bool]]:
+        """The held metrics, once their time has come."""
+        return self.release() if self.due is not None and now >= self.due else []
+
+    def release(self) -> list[tuple[m.Message, bool]]:
+        """Every held MetricsMsg (stored with an ack, like every MetricsMsg), now: behind
+        the rank's reports, or before it says Exiting."""
+        settled, self.settled, self.due = self.settled, [], None
+        return [(x, True) for x in settled]

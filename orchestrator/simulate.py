@@ -251,8 +251,7 @@ class SimulatedCohort:
 
     def _flush_reports(self, r: SimRank, *, durable: bool = False) -> None:
         if r.reports.items:
-            for msg, acked in r.reports.take(self._interval(r), durable=durable):
-                self._emit(r, msg, durable=acked)
+            self._emit_all(r, r.reports.take(self._interval(r), durable=durable))
 
     def _emit(self, r: SimRank, msg: m.Message, *, durable: bool) -> None:
         if r.encoder is None:
@@ -333,6 +332,7 @@ class SimulatedCohort:
         elif isinstance(msg, m.SyncNow):
             self._send(r, m.SyncAck(rank=r.rank, step_count=r.step,
                                     divergence=self._rng.uniform(0.0, 0.02)), durable=True)
+            self._after_ack(r)
             r.open, r.window_steps, r.throttled = False, 0, False
         elif isinstance(msg, m.Throttle):
             r.throttled = True
@@ -354,8 +354,27 @@ class SimulatedCohort:
         self.received[type(msg).__name__] += 1
         self._schedule(r)
 
+    def _after_ack(self, r: SimRank) -> None:
+        """The metrics held since the window closed: now (interval 0), or behind the next
+        reports or at their due time, as a worker sends them."""
+        now = self.clock()
+        self._emit_all(r, r.reports.acked(now, self._interval(r)))
+        if r.reports.due is not None:
+            asyncio.get_running_loop().call_later(max(0.0, r.reports.due - now),
+                                                  self._send_overdue, r)
+
+    def _send_overdue(self, r: SimRank) -> None:
+        if not r.exited:
+            self._emit_all(r, r.reports.overdue(self.clock()))
+
+    def _emit_all(self, r: SimRank, msgs: list[tuple[m.Message, bool]]) -> None:
+        for msg, durable in msgs:
+            self._emit(r, msg, durable=durable)
+
     def _exit(self, r: SimRank, *, say: bool) -> None:
         if say:
+            self._flush_reports(r)
+            self._emit_all(r, r.reports.release())
             self._send(r, m.Exiting(rank=r.rank), durable=True)
         r.exited = True
         if all(x.exited for x in self.ranks):
@@ -385,11 +404,13 @@ class SimulatedCohort:
         if finished:
             r.plans.popleft()
             batch = r.run.batch_size if r.run is not None else 1
-            self._send(r, m.MetricsMsg(rank=r.rank, epoch=plan.epoch,
-                                       avg_loss=1.0 / (1.0 + 0.01 * r.step),
-                                       batches_processed=plan.done,
-                                       epoch_ms=(now - plan.started_at) * 1000.0,
-                                       samples_processed=plan.done * batch), durable=True)
+            metrics = m.MetricsMsg(rank=r.rank, epoch=plan.epoch,
+                                   avg_loss=1.0 / (1.0 + 0.01 * r.step),
+                                   batches_processed=plan.done,
+                                   epoch_ms=(now - plan.started_at) * 1000.0,
+                                   samples_processed=plan.done * batch)
+            for msg, durable in r.reports.metrics(metrics):  # now, or held (reports.py)
+                self._send(r, msg, durable=durable)
 
     def _maybe_kill(self, now: float) -> None:
         """The ``kill`` ranks die, at once, when their moment has come."""

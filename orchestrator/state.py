@@ -247,9 +247,6 @@ class RankState:
     def in_flight(self) -> int:
         return sum(a.remaining for a in self.queue)
 
-    def awaiting_metrics(self) -> bool:
-        return any(a.complete and a.metrics is None for a in self.queue)
-
 
 @dataclass(slots=True)
 class IdWindow:

@@ -5,9 +5,16 @@ A *window* is the stretch between two averages. When it opens, every alive rank 
 than the target only under async, by the lookahead), broadcast in SetGlobalStep, plus the
 plans (StartEpoch) to train. The gate (reference C.2, newest semantics) fires when the
 previous average is acknowledged by every alive rank, every alive rank reached its target
-and reported the metrics of every plan it finished, and at least one rank moved. Then:
+(booked from its Batch reports), and at least one rank moved. Then:
 SyncNow, El Che and the guard are updated inline (so the next window opens without waiting
 for acks), epoch-boundary callbacks go out, and the next window opens.
+
+The gate does not wait for MetricsMsg: a rank sends the metrics of the plan its closing
+batch finished right behind its SyncAck (:mod:`ddpbus.orchestrator.reports`), so at a
+thousand ranks the gate's last report is not queued behind a thousand metrics. An epoch is
+aggregated (EpochAggregated) once its batches are trained and every plan's metrics are in,
+or its rank died first (a ``metrics-lost`` record names the plan); eval and checkpoint
+key on the batches (``Pool.trained``), and Shutdown waits for every epoch's aggregate.
 """
 
 from __future__ import annotations
@@ -65,11 +72,14 @@ def on_reports(s: State, r: RankState, msg: m.Batch | m.Reports, now: float, out
                ) -> None:
     """A Batch, or coalesced per-batch reports: each item does exactly what it would do
     arriving alone (a Batch is booked and may open the gate, an LrUpdate is noted)."""
+    lookahead = s.schedule.policy is m.Policy.ASYNC and s.schedule.effective_progressive
     for item in (msg,) if isinstance(msg, m.Batch) else msg.items:
         if isinstance(item, m.Batch):
             on_batch(s, r, item, now, out)
             if not _holds_gate(r):
                 maybe_average(s, now, out)
+            if lookahead and r.in_flight() == 0:
+                _lookahead(s, r, now, out)
         else:
             r.lr = item.lr
 
@@ -114,6 +124,7 @@ def on_metrics(s: State, r: RankState, msg: m.MetricsMsg, now: float, out: Out) 
 
 def aggregate_ready(s: State, now: float, out: Out) -> None:
     """Aggregate epochs in ascending order, each once its pool is trained and reported."""
+    compact = False
     while (pool := s.pools.get(s.next_aggregate)) is not None and pool.reported:
         pool.completed_at = now
         wall = None
@@ -137,6 +148,9 @@ def aggregate_ready(s: State, now: float, out: Out) -> None:
         out.append(Record("epoch-aggregated", {"epoch": pool.epoch, "loss": metrics.avg_loss,
                                                "epoch_ms": metrics.epoch_ms,
                                                "batch_share": list(metrics.per_rank_batch_share)}))
+        compact = True
+    if compact:  # (its metrics may come after the average that sealed it)
+        compact_pools(s)
     callbacks.maybe_finish(s, now, out)
 
 
@@ -150,9 +164,8 @@ def _device_index(device: str) -> int:
 
 def _satisfied(r: RankState) -> bool:
     """Reached its target, or quiesced (nothing in flight: it joins with what it has), or
-    throttled (it waits for this average), and reported every plan it finished."""
-    return ((r.steps >= r.target or r.in_flight() == 0 or r.throttled)
-            and not r.awaiting_metrics())
+    throttled (it waits for this average). Its metrics may still be on the way."""
+    return r.steps >= r.target or r.in_flight() == 0 or r.throttled
 
 
 def _holdout(s: State, hint: int, ready: Callable[[RankState], bool]) -> RankState | None:

@@ -242,11 +242,16 @@ class Trainer(threading.Thread):
         the order they were made in); :meth:`release` hands the queue to the agent."""
         self.flush_reports()
         self._held.append((msg, durable))
+        if isinstance(msg, m.SyncAck):  # the window is over: its held metrics go soon
+            self._held += self._reports.acked(time.perf_counter(),
+                                              self._run().report_interval_ms)
 
     def _report(self, items: list[m.Batch | m.LrUpdate], now: float, *, closing: bool) -> None:
         """Per-batch reports, coalesced (:mod:`ddpbus.orchestrator.reports`)."""
         if self._reports.add(items, now, self._run().report_interval_ms, closing=closing):
             self.flush_reports(durable=closing)
+        else:
+            self._held += self._reports.overdue(now)
 
     def flush_reports(self, *, durable: bool = False) -> None:
         """Queue the held per-batch reports (one Reports, or a lone one as itself)."""
@@ -275,6 +280,7 @@ class Trainer(threading.Thread):
             self.outcome = Outcome(clean=False, reason=f"{type(exc).__name__}: {exc}")
         finally:
             self.flush_reports()
+            self._held += self._reports.release()  # before the agent's Exiting
             self.release()
             self._leave_group()
             self.on_done(self.outcome or Outcome(clean=False, reason="stopped"))
@@ -307,10 +313,21 @@ class Trainer(threading.Thread):
                 continue
             self.flush_reports()  # going idle: nothing of this rank's stays behind
             self.release()
-            done = self._handle(self.inbox.get())
+            done = self._handle(self._next_input())
             self.release()
             if done is not None:
                 return done
+
+    def _next_input(self) -> m.ControlMsg | Halt | Consensus:
+        """The next input, waited for; the metrics held since the window closed go out
+        meanwhile once their time comes (:mod:`ddpbus.orchestrator.reports`)."""
+        while (due := self._reports.due) is not None:
+            try:
+                return self.inbox.get(timeout=max(0.0, due - time.perf_counter()))
+            except queue.Empty:
+                self._held += self._reports.overdue(time.perf_counter())
+                self.release()
+        return self.inbox.get()
 
     def _handle(self, msg: m.ControlMsg | Halt | Consensus) -> Outcome | None:
         if isinstance(msg, Halt):
@@ -598,7 +615,7 @@ class Trainer(threading.Thread):
     def _finish_plan(self, plan: Plan, now: float) -> None:
         self.plans.popleft()
         run = self._run()
-        self.outbox(m.MetricsMsg(
+        metrics = m.MetricsMsg(
             rank=self.rank, epoch=plan.epoch,
             avg_loss=plan.loss_sum / plan.batches if plan.batches else math.nan,
             batches_processed=plan.batches,
@@ -606,7 +623,9 @@ class Trainer(threading.Thread):
             samples_processed=plan.batches * run.batch_size,
             share_complete_ms=plan.compute_ms + plan.data_ms,
             compute_only_ms=plan.compute_ms, data_starve_ms=plan.data_ms,
-            scalars=self.ledger.drain()))
+            scalars=self.ledger.drain())
+        for msg, durable in self._reports.metrics(metrics):  # now, or held (reports.py)
+            self.outbox(msg, durable=durable)
 
     def _enter_epoch(self, epoch: int) -> None:
         self.epoch = epoch

@@ -63,6 +63,7 @@ class SimRank:
     admitted: bool = True  # a restarted incarnation drops control traffic until its Accept
     received: list[m.ControlMsg] = field(default_factory=list)
     inbox: deque[m.ControlMsg] = field(default_factory=deque)  # read between batches
+    held: list[m.MetricsMsg] = field(default_factory=list)  # behind the window's SyncAck
 
 
 class Sim:
@@ -223,6 +224,16 @@ class Sim:
         self.to_core(Timing(m.SyncAck(rank=r.rank, step_count=r.step, divergence=0.01,
                                       pre_norm=1.0, post_norm=1.0, failed=failed)))
         r.steps = 0
+        self._send_held(r)
+
+    def _send_held(self, r: SimRank) -> None:
+        """Like the agent (orchestrator/reports.py): the metrics of the plan a closing
+        batch finished go after the SyncAck (a moment later; a rank killed meanwhile loses
+        them)."""
+        held, r.held = r.held, []
+        for msg in held:
+            self.at(self.now + 0.01, lambda msg=msg: None if r.exited or r.silent
+                    else self.to_core(Metrics(msg)))
 
     def _rank_gets(self, index: int, msg: m.ControlMsg) -> None:
         r = self.ranks[index]
@@ -323,11 +334,15 @@ class Sim:
                                         step_count=r.step, batch_loss=1.0)))
         if plan[3] == size:
             r.plans.popleft()
-            self.to_core(Metrics(m.MetricsMsg(
+            metrics = m.MetricsMsg(
                 rank=r.rank, epoch=epoch, avg_loss=1.0, batches_processed=size,
                 epoch_ms=size * r.ms_per_batch, samples_processed=size * 8,
                 share_complete_ms=size * r.ms_per_batch, compute_only_ms=size * r.ms_per_batch,
-                scalars={"acc": m.ScalarSum(sum=0.5 * size, count=size)})))
+                scalars={"acc": m.ScalarSum(sum=0.5 * size, count=size)})
+            if closing or r.held:
+                r.held.append(metrics)
+            else:
+                self.to_core(Metrics(metrics))
         self._drain(r)
 
     # ------------------------------------------------------------------ queries

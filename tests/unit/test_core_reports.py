@@ -176,3 +176,58 @@ def test_interval_zero_sends_every_report_alone_and_only_a_batch_acked() -> None
     assert buf.take(0.0, durable=True) == [(_b(1), True), (lr, False)]
     buf.add([_b(2)], 0.0, 50.0, closing=True)  # a lone report goes as itself
     assert buf.take(50.0, durable=True) == [(_b(2), True)]
+
+
+def _mx(epoch: int) -> m.MetricsMsg:
+    return m.MetricsMsg(rank=2, epoch=epoch, avg_loss=1.0, batches_processed=4,
+                        epoch_ms=1.0, samples_processed=32)
+
+
+def test_metrics_finished_mid_window_go_at_once() -> None:
+    buf = ReportBuffer(2)
+    buf.add([_b(1)], 0.0, 100.0, closing=False)
+    assert buf.metrics(_mx(0)) == [(_mx(0), True)]
+
+
+def test_metrics_behind_a_closing_flush_wait_for_the_ack_and_their_share() -> None:
+    """Held past the SyncAck for the rank's share of the interval (0.868 for rank 2), so
+    a thousand ranks' metrics reach the coordinator neither with their closing batches
+    nor in one burst behind their acks; in order, and stored with an ack."""
+    buf = ReportBuffer(2)
+    buf.add([_b(1)], 0.0, 100.0, closing=True)
+    buf.take(100.0, durable=True)
+    assert buf.metrics(_mx(0)) == []
+    assert buf.metrics(_mx(1)) == []  # behind the held one
+    buf.take(100.0, durable=False)  # an empty flush (going idle) takes nothing along
+    assert buf.due is None  # no time yet: the window is not over before the SyncAck
+    assert buf.acked(5.0, 100.0) == []
+    assert buf.due == pytest.approx(5.0 + 0.1 * hold_share(2))
+    assert buf.overdue(5.08) == []
+    assert buf.overdue(5.09) == [(_mx(0), True), (_mx(1), True)]
+    assert buf.overdue(9.0) == []
+    assert buf.due is None
+    assert buf.metrics(_mx(2)) == [(_mx(2), True)]  # the next window's first, mid-window
+
+
+def test_held_metrics_go_behind_the_next_reports_when_sooner() -> None:
+    buf = ReportBuffer(2)
+    buf.add([_b(1)], 0.0, 100.0, closing=True)
+    buf.take(100.0, durable=True)
+    buf.metrics(_mx(0))
+    buf.acked(1.0, 100.0)
+    buf.add([_b(2)], 1.01, 100.0, closing=False)
+    assert buf.take(100.0, durable=False) == [(_b(2), False), (_mx(0), True)]
+    assert buf.due is None
+    assert buf.overdue(5.0) == []
+
+
+def test_held_metrics_go_right_behind_the_ack_with_interval_zero_and_before_exiting() -> None:
+    buf = ReportBuffer(2)
+    buf.add([_b(1)], 0.0, 0.0, closing=True)
+    buf.take(0.0, durable=True)
+    buf.metrics(_mx(0))
+    assert buf.acked(1.0, 0.0) == [(_mx(0), True)]
+    buf.add([_b(2)], 2.0, 100.0, closing=True)
+    buf.take(100.0, durable=True)
+    buf.metrics(_mx(1))
+    assert buf.release() == [(_mx(1), True)]  # a rank about to say Exiting

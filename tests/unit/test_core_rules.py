@@ -211,11 +211,43 @@ def test_no_sync_before_every_rank_reached_its_target() -> None:
     assert len(sends(core.train(1, 1), m.SyncNow)) == 1
 
 
-def test_no_sync_before_finished_plans_are_reported() -> None:
-    core = formed()
-    core.train(0, 10)
-    assert not sends(core.train(1, 10, metrics=False), m.SyncNow)
-    assert len(sends(core.metrics(1, 0, 10), m.SyncNow)) == 1
+def _one_epoch(world: int) -> Core:
+    """Formed, one epoch of 10 batches a rank."""
+    core = Core(world=world, epochs=1)
+    for r in range(world):
+        core.join(r, dataset=80 * world)
+    core.feed(Timing(m.NewNcclIdGenerated(rank=0, uid_bytes=UID)))
+    return core
+
+
+def test_the_gate_waits_for_batches_and_the_aggregate_for_metrics() -> None:
+    """A rank sends the metrics of the plan its closing batch finished after its SyncAck
+    (reports.py): the gate fires on the batches; EpochAggregated and Shutdown wait for the
+    last plan's metrics."""
+    core = _one_epoch(2)
+    core.train(0, 10, metrics=False)
+    assert len(sends(core.train(1, 10, metrics=False), m.SyncNow)) == 1
+    out = core.ack(0) + core.ack(1) + core.metrics(0, 0, 10)
+    assert not sends(out, m.EpochAggregated)
+    assert not sends(out, m.Shutdown)
+    out = core.metrics(1, 0, 10)
+    assert not refusals(out)
+    assert [s.msg.metrics.epoch for s in sends(out, m.EpochAggregated)] == [0]
+    assert len(sends(out, m.Shutdown)) == 1
+
+
+def test_a_rank_lost_before_its_metrics_leaves_the_epoch_aggregated_without_them() -> None:
+    core = _one_epoch(3)
+    for r in range(3):
+        core.train(r, 10, metrics=False)
+    for r in range(3):
+        core.ack(r)
+    out = core.exiting(2)  # trained, averaged, gone before its held metrics went out
+    assert records(out, "metrics-lost") == [{"rank": 2, "epoch": 0, "batches": 10}]
+    out = core.metrics(0, 0, 10) + core.metrics(1, 0, 10)
+    (aggregated,) = sends(out, m.EpochAggregated)
+    assert aggregated.msg.metrics.per_rank_batch_share[2] == 0.0
+    assert len(sends(out, m.Shutdown)) == 1
 
 
 def test_no_sync_while_a_rank_has_not_acked_the_previous_one() -> None:
