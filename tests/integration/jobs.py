@@ -141,30 +141,63 @@ def start_job(url: str, tmp: Path, spec_ref: str, *, workers: int = 2, job: str 
     return run
 
 
-def stream_types(url: str, job: str) -> Counter[str]:
-    """Ddpbus-Type of every message the job's stream holds (verified with the job key);
-    the items of a coalesced Reports count as ``TimingMsg.Reports/<item type>``."""
+def stream_messages(url: str, job: str) -> list[tuple[str, m.Message]]:
+    """``(Ddpbus-Type, message)`` of every message the job's stream holds, in stream order
+    (each verified with the job key)."""
 
-    async def read() -> Counter[str]:
+    async def read() -> list[tuple[str, m.Message]]:
         nc = await connect(url, name="stream-reader")
         js = nc.jetstream()
         decoder = Decoder(job=job, key=KEY)
         info = await js.stream_info(sj.stream_name(job))
         sub = await js.pull_subscribe(f"{sj.PREFIX}.{job}.>", stream=sj.stream_name(job))
-        seen: Counter[str] = Counter()
+        out: list[tuple[str, m.Message]] = []
         left = info.state.messages
         while left > 0:
             for msg in await sub.fetch(min(left, 500), timeout=5):
                 env = decoder.decode(msg.subject, msg.headers, msg.data)
-                seen[env.msg_type] += 1
-                if isinstance(env.message, m.Reports):
-                    seen.update(f"{env.msg_type}/{type(x).__name__}" for x in env.message.items)
+                out.append((env.msg_type, env.message))  # type: ignore[arg-type]
                 left -= 1
                 await msg.ack()  # a pull consumer stops at 1,000 unacknowledged
         await nc.close()
-        return seen
+        return out
 
     return asyncio.run(read())
+
+
+def stream_types(messages: list[tuple[str, m.Message]]) -> Counter[str]:
+    """Ddpbus-Type of each of :func:`stream_messages`; the items of a coalesced Reports
+    count as ``TimingMsg.Reports/<item type>``."""
+    seen: Counter[str] = Counter()
+    for kind, message in messages:
+        seen[kind] += 1
+        if isinstance(message, m.Reports):
+            seen.update(f"{kind}/{type(x).__name__}" for x in message.items)
+    return seen
+
+
+def held_metrics(messages: list[tuple[str, m.Message]], rank: int) -> tuple[int, int]:
+    """Check, in stream order, that every MetricsMsg of ``rank`` whose plan ended with its
+    window (the plan's last step is the step of the rank's next SyncAck) comes after that
+    SyncAck, not with the closing batch (orchestrator/reports.py). Returns (such plans,
+    plans in all)."""
+    own = [x for _, x in messages if getattr(x, "rank", None) == rank]
+    end = held = plans = 0
+    for i, x in enumerate(own):
+        if not isinstance(x, m.MetricsMsg):
+            continue
+        plans += 1
+        end += x.batches_processed  # the plan's last local step (plans go in order)
+        last = next((j for j in range(i)
+                     if any(b.step_count == end for b in m.batches(own[j]))), None)
+        if last is None:
+            continue  # a report in mid-window may be lost; a closing one never is
+        ack = next((j for j in range(last, len(own)) if isinstance(own[j], m.SyncAck)), None)
+        if ack is not None and own[ack].step_count == end:  # averaged right at its end
+            held += 1
+            assert ack < i, (f"rank {rank}: the metrics of the plan ending at step {end} "
+                             "went before the SyncAck of its window")
+    return held, plans
 
 
 class LiveTap:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from jobs import SPECS, LiveTap, spec, start_job, stream_types
+from jobs import SPECS, LiveTap, held_metrics, spec, start_job, stream_messages, stream_types
 from safetensors.torch import load_file
 
 from ddpbus.orchestrator.broker import EmbeddedBroker
@@ -138,7 +138,7 @@ def test_broker_backend_every_sample_once_converges_and_replicas_agree(
     _each_sample_once(ledger, 20)
     assert summary["test_accuracy"] >= 0.95, summary["eval"]
     _same_replicas(job.out, 2)  # every rank ends as the last consensus, EASGD too
-    seen = stream_types(broker.url, name)
+    seen = stream_types(stream_messages(broker.url, name))
     assert {"ControlMsg.RequestParams", "TimingMsg.SnapshotReady", "ControlMsg.Update"} <= \
         set(seen)
     assert not {"ControlMsg.SyncNow", "ControlMsg.RequestNewNcclId"} & set(seen)
@@ -203,7 +203,11 @@ def test_callbacks_failover_and_every_variant_on_the_wire(broker: EmbeddedBroker
                         env={"CALLBACK_DIR": str(cb)})
         summary = job.wait()
     assert summary["ok"], summary
-    seen = stream_types(broker.url, name)
+    messages = stream_messages(broker.url, name)
+    seen = stream_types(messages)
+    # a plan's metrics that its window's closing batch finished come after the SyncAck
+    checked = [held_metrics(messages, r) for r in range(2)]
+    assert all(held >= 1 for held, _ in checked), checked
     timing, control = (TIMING, CONTROL) if backend == "gloo" else (BROKER_TIMING,
                                                                    BROKER_CONTROL)
     assert {f"TimingMsg.{t}" for t in timing} <= set(seen), seen
