@@ -9,9 +9,10 @@ previous average is acknowledged by every alive rank, every alive rank reached i
 SyncNow, El Che and the guard are updated inline (so the next window opens without waiting
 for acks), epoch-boundary callbacks go out, and the next window opens.
 
-The gate does not wait for MetricsMsg: a rank sends the metrics of the plan its closing
-batch finished right behind its SyncAck (:mod:`ddpbus.orchestrator.reports`), so at a
-thousand ranks the gate's last report is not queued behind a thousand metrics. An epoch is
+The gate does not wait for MetricsMsg: a rank holds the metrics of the plan its closing
+batch finished until its window is over (behind its next reports, or its share of the
+report interval after its SyncAck: :mod:`ddpbus.orchestrator.reports`), so at a thousand
+ranks the gate's last report is not queued behind a thousand metrics. An epoch is
 aggregated (EpochAggregated) once its batches are trained and every plan's metrics are in,
 or its rank died first (a ``metrics-lost`` record names the plan); eval and checkpoint
 key on the batches (``Pool.trained``), and Shutdown waits for every epoch's aggregate.
