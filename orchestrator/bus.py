@@ -298,13 +298,30 @@ YIELD_EVERY = 16
 through (a handler that never suspends would otherwise hold the loop for the whole burst)."""
 
 
+class NotApplied(Exception):
+    """Raised to a :class:`StreamReader` by its handler, for a message it did not apply, or
+    by its ``entitled`` check: its process lost the right to act (a deposed coordinator).
+    The reader then acks nothing more, asks for nothing more, and stops: its successor
+    reads the same durable (re-created from the successor's snapshot), and every ack or
+    message taken from here would be taken from it."""
+
+    def __init__(self, msg: Msg | None = None) -> None:
+        super().__init__("not entitled to read the stream any more")
+        self.msg = msg
+
+
 class StreamReader:
     """Continuous reader of one durable pull consumer; ``handler`` sees messages in stream
     order, one at a time. Call :meth:`run` as a task; cancel it to stop."""
 
     def __init__(self, nc: Client, stream: str, durable: str, handler: Handler, *,
-                 batch: int = 256, expires: float = 5.0, heartbeat: float = 1.0) -> None:
+                 batch: int = 256, expires: float = 5.0, heartbeat: float = 1.0,
+                 entitled: Callable[[], Awaitable[bool]] | None = None) -> None:
         self._nc = nc
+        # asked before every pull request: False = not now (asked again shortly); it
+        # raises NotApplied when the process may never read again
+        self._entitled = entitled
+        self._silent = False  # acks nothing more (see silence)
         self._api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
         self._handler = handler
         self._batch = batch
@@ -348,19 +365,37 @@ class StreamReader:
                 if not inbox and not await self._wait(arrived):
                     continue
                 await self._take(inbox.popleft())
+        except NotApplied:
+            # no NAK for what it holds: redelivered out of stream order, a message would
+            # reach the successor behind later ones and be dropped as already handled; it
+            # comes back after the ack wait, and the successor re-created the consumer
+            # from its snapshot anyway (what this one took before its lease went is moot)
+            self.silence()
+            log.warning("consumer %s: stopped reading (no longer entitled); %d messages "
+                        "left unacked", self._api, len(inbox) + 1)
         finally:
             await self._ack_held()
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
 
+    def silence(self) -> None:
+        """Ack nothing from now on: this process may no longer act on the stream (a
+        deposed coordinator; its successor owns the durable now)."""
+        self._silent = True
+        self._last, self._unacked = None, 0
+
     async def _ack_held(self) -> None:
         """One AckAll for everything handled and not acked yet."""
-        if self._last is not None:
+        if self._last is not None and not self._silent:
             await self._ack(self._last)
             self._last, self._unacked = None, 0
 
     async def _ask(self) -> bool:
-        """Request the next batch; False (after a pause) when there is no connection."""
+        """Request the next batch; False (after a pause) when there is no connection or
+        the reader is not entitled to now."""
+        if self._entitled is not None and not await self._entitled():
+            await asyncio.sleep(0.2)
+            return False
         try:
             await self._request()
         except _NATS_ERRORS:  # no connection right now: try again shortly
@@ -409,8 +444,9 @@ class StreamReader:
         again now rather than after the next silent interval."""
         self._pending = 0
         if self._inbox:
-            with contextlib.suppress(*_NATS_ERRORS):
-                await self._request()
+            with contextlib.suppress(*_NATS_ERRORS, NotApplied):
+                if self._entitled is None or await self._entitled():
+                    await self._request()
 
     def _on_status(self, status: str, msg: Msg) -> None:
         if status == "100":

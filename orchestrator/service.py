@@ -143,7 +143,7 @@ class Coordinator:
         self._snapshot_rev: int | None = None  # KV revision of the last snapshot written
         self._loaded = b""  # the snapshot taken over, as stored (re-written to fence)
         self._replayed = (0, 0)  # journal segments and events replayed on it
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[Any]] = set()
         self.metrics: CoordinatorMetrics | None = None  # with --metrics-port
         self._pending: int | None = None  # the coordinator consumer's backlog, last read
         # milliseconds, the newest LATENCY_SAMPLES of each (bounded for weeks-long runs):
@@ -310,7 +310,7 @@ class Coordinator:
         loop = asyncio.get_running_loop()
         self.finish = loop.create_future()
         reader = bus.StreamReader(nc, sj.stream_name(s.job), sj.COORDINATOR_CONSUMER,
-                                  self._on_stream)
+                                  self._on_stream, entitled=self._may_read)
         self.reader = reader
         live = await nc.subscribe(sj.LIVE_RANK.wildcard(s.job), cb=self._on_live)
         tasks = [asyncio.create_task(c, name=n) for c, n in (
@@ -338,6 +338,7 @@ class Coordinator:
             if not self.lease.lost.is_set() and not self.finish.done():
                 committer.result()  # its failure, raised here
             if self.lease.lost.is_set():
+                reader.silence()  # its acks would land on the successor's consumer
                 log.error("deposed: another coordinator took the lease; exiting without "
                           "publishing anything more")
                 return None
@@ -515,8 +516,9 @@ class Coordinator:
     # ------------------------------------------------------------------ events
 
     async def apply(self, event: Event, seq: int | None = None,
-                    stored_at: float | None = None, wire: journal.Wire | None = None) -> None:
-        """Run one event through the core. Its commands are published by the committer,
+                    stored_at: float | None = None, wire: journal.Wire | None = None) -> bool:
+        """Run one event through the core (False: not applied, the lease is lost or, for a
+        tick, not proven now). Its commands are published by the committer,
         in order, once a write-ahead record that covers them is stored; meanwhile the
         next inputs are decided. ``stored_at``: the input's stream time, for the decision
         latency; ``wire``: the message as it came, which the journal keeps for it."""
@@ -525,7 +527,7 @@ class Coordinator:
                 # deposed, or the lease cannot be proven (paused? broker away?): decide
                 # nothing; an input (not a tick) waits until the lease is proven or lost
                 if self.lease.lost.is_set() or isinstance(event, Tick):
-                    return
+                    return False
                 await asyncio.sleep(0.2)
             now = self.clock()
             self.state, commands = transition(self.state, event, now)
@@ -544,6 +546,7 @@ class Coordinator:
                     self._decided_at.append((stored_at, self.state.phase is Phase.TRAINING))
                 self._committed.clear()
                 self._commit_wanted.set()
+            return True
 
     async def _committer(self) -> None:
         """Group commit: one write covers every command decided since the last one.
@@ -671,14 +674,27 @@ class Coordinator:
             if latest:  # the gauges show a rank's latest batch
                 self.metrics.on_batch(latest[-1])
         if body is not None:
-            await self.apply(event_of(body, msg_id), seq, stored_at,
-                             journal.Wire(msg.subject, msg.headers or {}, msg.data, True))
+            if not await self.apply(event_of(body, msg_id), seq, stored_at,
+                                    journal.Wire(msg.subject, msg.headers or {}, msg.data,
+                                                 True)):
+                raise bus.NotApplied(msg)  # deposed: the successor must get it, not an ack
         else:
             self.covered_seq = max(self.covered_seq, seq)
         if self._replay_to is not None and seq >= self._replay_to:
             self.replay_s, self._replay_to = time.time() - self.started_at, None
             log.info("caught up with the stream (sequence %d) %.2fs after taking over", seq,
                      self.replay_s)
+
+    async def _may_read(self) -> bool:
+        """Asked by the stream reader before each pull request. A deposed coordinator (one
+        paused past its lease, say) must not pull: its successor re-created the durable
+        under the same name, so every message it took would be taken from the successor
+        (and come back only after the ack wait, behind later ones)."""
+        if await self.lease.confirm():
+            return True
+        if self.lease.lost.is_set():
+            raise bus.NotApplied
+        return False
 
     async def _on_live(self, msg: Msg) -> None:
         # liveness, not a decision: the beats are decoded and applied together at the next

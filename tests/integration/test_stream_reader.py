@@ -75,3 +75,68 @@ async def test_a_burst_is_read_in_order_once_with_store_times_then_acked(nc: Cli
     assert reader.redelivered == 0
     assert info.ack_floor is not None
     assert info.ack_floor.stream_seq == 600
+
+
+async def test_a_reader_no_longer_entitled_takes_and_acks_nothing(nc: Client) -> None:
+    """A deposed coordinator's reader: from the first message its handler could not apply
+    it acks nothing (not even what it applied: the successor replays from its own
+    snapshot); and once its ``entitled`` check says it may never read again it does not
+    even pull, so nothing is taken from the successor's consumer (the same durable name,
+    re-created). ``entitled`` False means "not now": the reader asks again."""
+    js = nc.jetstream()
+    stream = "READER_STOP"
+    await js.add_stream(StreamConfig(name=stream, subjects=["stop.>"]))
+    config = ConsumerConfig(durable_name="r", ack_policy=AckPolicy.ALL, ack_wait=30.0)
+    await js.add_consumer(stream, config)
+    for i in range(20):
+        await nc.publish("stop.x", str(i).encode())
+    await nc.flush()
+    handled: list[int] = []
+
+    async def deposed_at_five(msg: Msg) -> None:
+        if len(handled) == 5:
+            raise bus.NotApplied(msg)
+        handled.append(int(msg.data))
+
+    await asyncio.wait_for(bus.StreamReader(nc, stream, "r", deposed_at_five).run(), 10)
+    assert handled == list(range(5))
+    info = await js.consumer_info(stream, "r")
+    assert info.ack_floor is not None
+    assert info.ack_floor.stream_seq == 0
+
+    # the successor re-creates the durable from its snapshot (here: the stream's start)
+    await js.delete_consumer(stream, "r")
+    await js.add_consumer(stream, config)
+
+    async def never_again() -> bool:
+        raise bus.NotApplied
+
+    async def must_not_run(msg: Msg) -> None:
+        raise AssertionError(f"a deposed reader handled {msg.data!r}")
+
+    await asyncio.wait_for(bus.StreamReader(nc, stream, "r", must_not_run,
+                                            entitled=never_again).run(), 10)
+    info = await js.consumer_info(stream, "r")
+    assert info.delivered.stream_seq == 0  # it did not even pull
+    assert info.num_waiting == 0
+
+    answers = iter([False, False])
+    successor: list[int] = []
+    done = asyncio.Event()
+
+    async def entitled() -> bool:
+        return next(answers, True)  # not yet, not yet, then for good
+
+    async def take(msg: Msg) -> None:
+        successor.append(int(msg.data))
+        if len(successor) == 20:
+            done.set()
+
+    task = asyncio.create_task(bus.StreamReader(nc, stream, "r", take,
+                                                entitled=entitled).run())
+    try:
+        await asyncio.wait_for(done.wait(), 10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert successor == list(range(20))
