@@ -305,10 +305,6 @@ class NotApplied(Exception):
     reads the same durable (re-created from the successor's snapshot), and every ack or
     message taken from here would be taken from it."""
 
-    def __init__(self, msg: Msg | None = None) -> None:
-        super().__init__("not entitled to read the stream any more")
-        self.msg = msg
-
 
 class StreamReader:
     """Continuous reader of one durable pull consumer; ``handler`` sees messages in stream
@@ -366,13 +362,11 @@ class StreamReader:
                     continue
                 await self._take(inbox.popleft())
         except NotApplied:
-            # no NAK for what it holds: redelivered out of stream order, a message would
-            # reach the successor behind later ones and be dropped as already handled; it
-            # comes back after the ack wait, and the successor re-created the consumer
-            # from its snapshot anyway (what this one took before its lease went is moot)
+            # what it holds was pulled while it was entitled, from the consumer its
+            # successor deletes and re-creates from its own snapshot: left unacked, moot
+            # (a NAK would hand it back out of stream order, to be dropped as handled)
             self.silence()
-            log.warning("consumer %s: stopped reading (no longer entitled); %d messages "
-                        "left unacked", self._api, len(inbox) + 1)
+            log.warning("consumer %s: stopped reading (no longer entitled)", self._api)
         finally:
             await self._ack_held()
             with contextlib.suppress(nats.errors.Error):

@@ -146,7 +146,10 @@ def _truncate(s: State, r: RankState, out: Out) -> list[tuple[int, int, int]]:
     for a in r.queue:
         if a.metrics is None:
             a.orphaned = True  # its metrics will never come
-            if a.complete:  # trained; its metrics were held behind the SyncAck it never sent
+            if a.complete and not any(a is h for h in r.history):
+                # trained and all in the consensus (sealed), its metrics held behind the
+                # SyncAck the rank never sent: the epoch aggregates without them (an
+                # unsealed plan's batches go to heirs below, whose metrics cover them)
                 out.append(Record("metrics-lost", {"rank": r.rank, "epoch": a.epoch,
                                                    "batches": a.size}))
     lost: list[tuple[int, int, int]] = []

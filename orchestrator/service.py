@@ -677,7 +677,7 @@ class Coordinator:
             if not await self.apply(event_of(body, msg_id), seq, stored_at,
                                     journal.Wire(msg.subject, msg.headers or {}, msg.data,
                                                  True)):
-                raise bus.NotApplied(msg)  # deposed: the successor must get it, not an ack
+                raise bus.NotApplied  # deposed: the successor must get it, not an ack
         else:
             self.covered_seq = max(self.covered_seq, seq)
         if self._replay_to is not None and seq >= self._replay_to:

@@ -250,6 +250,21 @@ def test_a_rank_lost_before_its_metrics_leaves_the_epoch_aggregated_without_them
     assert len(sends(out, m.Shutdown)) == 1
 
 
+def test_a_rank_lost_outside_the_consensus_loses_no_metrics_its_heirs_retrain() -> None:
+    """Its last average failed: its batches are not in the consensus and go to the
+    survivors, whose metrics will cover them; nothing is recorded as lost."""
+    core = _one_epoch(3)
+    for r in range(3):
+        core.train(r, 10, metrics=False)
+    out = core.exiting(2)
+    for r in (0, 1):
+        out += core.feed(Timing(m.SyncAck(rank=r, step_count=core.state.ranks[r].sync_step,
+                                          divergence=0.0, failed=True)))
+    assert records(out, "work-reassigned")
+    assert len(sends(out, m.ExtendPartition)) == 2
+    assert not records(out, "metrics-lost")
+
+
 def test_no_sync_while_a_rank_has_not_acked_the_previous_one() -> None:
     core = formed()
     core.train(0, 10)
