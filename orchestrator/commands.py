@@ -330,6 +330,7 @@ def _add_simulate(sub: Any) -> None:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
+    from ddpbus.orchestrator import collector
     from ddpbus.orchestrator.simulate import SimulatedCohort, speeds
 
     key = _reader(args, "simulate")
@@ -342,7 +343,13 @@ def run_simulate(args: argparse.Namespace) -> int:
         try:
             cohort = SimulatedCohort(nc, args.job, key, args.ranks, rate=args.rate,
                                      speed=factors, dataset_size=args.dataset_size or 0,
-                                     intake=args.intake, kill=args.kill)
+                                     intake=args.intake, kill=args.kill,
+                                     collector=collector.Collector())
+            # the cohort lives as long as the process: full passes stop scanning it, and
+            # run only where the cohort makes them (SimulatedCohort's collector)
+            gc.collect()
+            gc.freeze()
+            collector.take_full_passes()
             await cohort.run()
         finally:
             await nc.close()
@@ -475,7 +482,7 @@ def load_schedule(args: argparse.Namespace) -> tuple[Any, Schedule]:
 
 
 def run_coordinator(args: argparse.Namespace) -> int:
-    from ddpbus.orchestrator import journal
+    from ddpbus.orchestrator import collector, journal
     from ddpbus.orchestrator.retention import Retention
     from ddpbus.orchestrator.service import Coordinator, CoordinatorSettings
     from ddpbus.orchestrator.state import CoreConfig
@@ -507,9 +514,12 @@ def run_coordinator(args: argparse.Namespace) -> int:
                                                    else args.snapshot_every))
     # everything alive now (the libraries, torch's modules among them, and the spec) lives
     # as long as the process: the cycle collector's full passes stop scanning it (at 1,024
-    # ranks each pass held the loop ~100 ms, every few seconds, whatever it was doing)
+    # ranks each pass held the loop ~100 ms, every few seconds, whatever it was doing);
+    # and the passes left (~10 ms) run at quiet moments the coordinator picks, not on
+    # whichever allocation crosses the threshold (most often the gate's own decision)
     gc.collect()
     gc.freeze()
+    collector.take_full_passes()
     return asyncio.run(Coordinator(settings, config).run())
 
 

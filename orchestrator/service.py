@@ -49,6 +49,7 @@ from ddpbus.codecs.errors import DdpbusError
 from ddpbus.orchestrator import bundles, bus, journal, reducer, rounds, snapshot
 from ddpbus.orchestrator import resume as bundle_resume
 from ddpbus.orchestrator.auth import Access
+from ddpbus.orchestrator.collector import Collector
 from ddpbus.orchestrator.config import describe
 from ddpbus.orchestrator.core import initial_state, resume, transition
 from ddpbus.orchestrator.lease import Lease, LeaseLost
@@ -172,6 +173,8 @@ class Coordinator:
         self._sync_published_at: float | None = None
         self.replay_s: float | None = None  # lease taken to caught up with the stream
         self._beats: list[Msg] = []  # heartbeats since the last tick, applied at the next
+        # full passes of the cycle collector, at quiet moments (see collector.py)
+        self.collector = Collector()
 
     async def run(self) -> int:
         s = self.settings
@@ -235,6 +238,7 @@ class Coordinator:
                                            "snapshots": self.snapshots,
                                            "journal_segments": self.journal.written,
                                            "retention": self.compactor.report(),
+                                           "collector": self.collector.report(),
                                            "resumed_from_seq": self.resumed_from,
                                            "replay_s": self.replay_s,
                                            "messages_handled": self.reader.delivered,
@@ -586,8 +590,11 @@ class Coordinator:
                     self._sync_published_at = now
                 if OPENS_WINDOW in kinds:
                     rebase = self.journal.wanted(time.monotonic())
-                    if rebase:  # the window's plans on the wire before the loop blocks
-                        await self.publisher.flush(0.5)
+                    collect = self.collector.quiet_due()
+                    if rebase or collect:  # the window's plans on the wire before the
+                        await self.publisher.flush(0.5)  # loop blocks
+                    if collect:
+                        self.collector.collect()
                 for t, training in started:
                     self.decision_ms.append((now - t) * 1000.0)
                     if training:
@@ -719,6 +726,8 @@ class Coordinator:
         while True:
             await asyncio.sleep(TICK_S)
             await self._take_beats()
+            if self.collector.overdue():
+                self.collector.collect()
             if self._bus_down_since is None:  # without a connection, silence proves nothing
                 await self.apply(Tick())
             if self.metrics is not None:

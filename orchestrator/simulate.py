@@ -17,7 +17,12 @@ Each rank reads its control subjects as a worker does, from its own durable cons
 (``intake="durable"``, the default: in stream order, acked, so the stream's retention sees
 real ack floors), or, for the largest loads, all ranks through one core-NATS subscription
 (``intake="core"``: no per-rank fan-out of ``control.all``, no acks, duplicates dropped by
-``Nats-Msg-Id``). What it leaves out, by design: tensors (no model, no collective:
+``Nats-Msg-Id``). One process stands for the whole cohort, so its pauses would pause every
+rank at once: ``ddpbus simulate`` freezes the cohort once it is built and makes the cycle
+collector's full passes where a window opens (:mod:`.collector`), not wherever an
+allocation crosses the threshold (30-60 ms each at 1,024 ranks, every second or two, after
+which every rank sent what it held together: a burst no cluster sends).
+What it leaves out, by design: tensors (no model, no collective:
 ``divergence`` is a small random number). The broker backend is not simulated (its
 snapshots are tensors).
 """
@@ -47,6 +52,7 @@ from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import ConfigError, DdpbusError, DecodeError
 from ddpbus.orchestrator import bus
+from ddpbus.orchestrator.collector import Collector
 from ddpbus.orchestrator.reports import ReportBuffer
 
 log = logging.getLogger(__name__)
@@ -125,13 +131,20 @@ class SimulatedCohort:
                  speed: list[float] | None = None, dataset_size: int = 0,
                  join_timeout: float = 60.0, intake: str = "durable",
                  kill: tuple[int, float] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 collector: Collector | None = None) -> None:
         if world < 1 or rate <= 0:
             raise ConfigError("simulate needs at least one rank and a positive rate")
         if kill is not None and not (0 < kill[0] < world and kill[1] >= 0):
             raise ConfigError(f"kill {kill[0]}@{kill[1]}: between 1 and {world - 1} ranks "
                               "(one must survive), at 0 seconds or later")
         self.kill = kill
+        # with a collector (``ddpbus simulate``, whose process leaves full collections
+        # to it) the cohort makes them where a window opens: one process stands for a
+        # thousand hosts, and a full pass (30-60 ms here) at any other moment paused every
+        # simulated rank at once, to send what it held together, a burst no cluster sends
+        self.collector = collector
+        self._collecting = False  # a pass is scheduled
         self.killed: list[int] = []  # the ranks that died together
         self._first_batch_at: float | None = None
         if intake not in INTAKES:
@@ -195,6 +208,8 @@ class SimulatedCohort:
         finally:
             beats.cancel()
             clock.cancel()
+            if self.collector is not None:
+                log.info("full collections, where windows opened: %s", self.collector.report())
             for t in readers:
                 t.cancel()
             await asyncio.gather(*readers, return_exceptions=True)
@@ -318,6 +333,7 @@ class SimulatedCohort:
             r.sessions += 1
         elif isinstance(msg, m.SetGlobalStep):
             r.open = True
+            self._quiet_moment()
             r.budget = msg.step_budget[r.rank] if r.rank < len(msg.step_budget) else (
                 2**62 if not msg.step_budget else 0)
             for p in msg.plans:  # the window's plans: this rank's, as StartEpochs
@@ -441,6 +457,18 @@ class SimulatedCohort:
                         self._flush_reports(r)
             await asyncio.sleep(TICK_S)
 
+    def _quiet_moment(self) -> None:
+        """A window opened: a full collection if one is due, once the broadcast is handled
+        (every rank has its plans)."""
+        if self.collector is not None and not self._collecting and self.collector.quiet_due():
+            self._collecting = True
+            asyncio.get_running_loop().call_soon(self._collect)
+
+    def _collect(self) -> None:
+        self._collecting = False
+        if self.collector is not None:
+            self.collector.collect()
+
     async def _beat(self) -> None:
         """Every rank beats once a ``HEARTBEAT_S``, rank r at phase r / ranks of it: real
         workers start at different moments and their timers never line up (all of them
@@ -449,6 +477,8 @@ class SimulatedCohort:
         slices = min(n, round(HEARTBEAT_S / BEAT_SLICE_S))
         while True:
             started = self.clock()
+            if self.collector is not None and self.collector.overdue():
+                self.collector.collect()
             for k in range(slices):
                 for r in self.ranks[k * n // slices:(k + 1) * n // slices]:
                     if not r.exited and r.encoder is not None and r.run is not None:

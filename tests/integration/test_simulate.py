@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -64,8 +65,9 @@ def test_simulated_ranks_train_a_run_to_its_end(broker: EmbeddedBroker, tmp_path
     """Each rank reading its own durable (as a worker does), or all through one core
     subscription (the lightest, for the largest loads)."""
     ranks = 24
-    summary = _to_the_end(_simulated_job(broker.url, tmp_path, ranks, rate=40.0,
-                                         speed="slow:0.25,3", epochs=2, intake=intake))
+    job = _simulated_job(broker.url, tmp_path, ranks, rate=40.0, speed="slow:0.25,3",
+                         epochs=2, intake=intake)
+    summary = _to_the_end(job)
     assert summary["rounds"] >= 2
     assert summary["coverage"]["exact"]  # every sample of every epoch, once
     share = {int(r): v for r, v in summary["batch_share"].items()}
@@ -81,6 +83,12 @@ def test_simulated_ranks_train_a_run_to_its_end(broker: EmbeddedBroker, tmp_path
     assert 0 < decisions["count"] < summary["messages_handled"]
     assert 0 <= decisions["p50"] <= decisions["p99"] <= decisions["max"]
     assert summary["replay_s"] is None  # a fresh job: nothing was replayed
+    # the full collections of both processes ran where windows opened (collector.py)
+    assert summary["collector"]["passes"] >= 1
+    made = re.search(r"full collections, where windows opened: \{'passes': (\d+)",
+                     job.log("simulate"))
+    assert made is not None
+    assert int(made.group(1)) >= 1
 
 
 def test_ranks_that_die_together_are_one_membership_change(broker: EmbeddedBroker,
