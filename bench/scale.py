@@ -11,7 +11,10 @@ lognormal speed spread) against a real ``ddpbus coordinator`` process:
   the admission burst, when every rank's Hello waits behind the coordinator's start); the
   coordinator's CPU (% of one core over the process's life, sampled every 0.2 s) and
   peak RSS; the job stream's bytes per simulated hour (stored bytes over the training
-  time, times 3600: the retention sizing input);
+  time, times 3600: the retention sizing input); the averages' reduce time as the
+  coordinator recorded it (its SyncNow to the last SyncAck it applied, which El Che takes
+  for the cost of averaging: the simulator acks at once, so this is the coordinator's own
+  time to read a thousand acks), p50 and max;
 - replay: the coordinator is SIGKILLed in the middle of training and started again at once;
   snapshot load + replay = the new process from taking the lease to caught up with the
   stream (target <= 5 s at 1,024 ranks). Skipped with ``--no-replay``;
@@ -43,6 +46,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -212,6 +216,17 @@ def _deaths(events: list[dict[str, Any]]) -> dict[str, Any]:
             "resumed_s": None if average is None else round(average - declared, 2)}
 
 
+def _reduce_ms(events: list[dict[str, Any]]) -> dict[str, float | int]:
+    """The averages' reduce times as the coordinator recorded them (its SyncNow to the
+    last SyncAck it applied; El Che counts it as the window's averaging cost): p50, max."""
+    times = sorted(float(e["reduce_ms"]) for e in events
+                   if e["event"] == "averaged" and "reduce_ms" in e)
+    if not times:
+        return {"count": 0}
+    return {"count": len(times), "p50": round(statistics.median(times), 1),
+            "max": round(times[-1], 1)}
+
+
 def measure(ranks: int, *, rate: float, seconds: float, replay: bool,
             coordinator_core: int | None = None, deaths: int = 0) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ddpbus-scale-") as tmp:
@@ -242,6 +257,7 @@ def measure(ranks: int, *, rate: float, seconds: float, replay: bool,
                                     1),
         "stream_messages": steady["stream_messages"],
         "rounds": s["rounds"],
+        "reduce_ms": _reduce_ms(steady["events"]),
         "train_s": round(train_s, 2),
         "replay_s": None if again is None else again["summary"].get("replay_s"),
         "replay_ok": None if again is None else again["summary"]["ok"],
@@ -290,7 +306,7 @@ def main() -> int:
         print(f"  {n} ranks: done", file=sys.stderr, flush=True)
     head = ("ranks", "msgs/s", "intake p50", "intake p99", "decision p50", "decision p99",
             "training decision p50", "training decision p99", "coord CPU %", "coord RSS MB",
-            "sim CPU %", "stream MB/h", "replay s")
+            "sim CPU %", "stream MB/h", "reduce p50", "reduce max", "replay s")
     print(" | ".join(head))
     for r in rows:
         cells = (r["ranks"], r["messages_per_s"], r["intake_ms"].get("p50"),
@@ -298,7 +314,7 @@ def main() -> int:
                  r["decision_ms"].get("p99"), r["training_decision_ms"].get("p50"),
                  r["training_decision_ms"].get("p99"), r["coordinator_cpu_pct"],
                  r["coordinator_rss_mb"], r["simulator_cpu_pct"], r["stream_mb_per_hour"],
-                 r["replay_s"])
+                 r["reduce_ms"].get("p50"), r["reduce_ms"].get("max"), r["replay_s"])
         print(" | ".join(_fmt(c) for c in cells))
     dying = [r for r in rows if r["deaths"] is not None]
     if dying:

@@ -5,11 +5,12 @@ CPython runs a full collection (generation 2) when enough allocations have piled
 grows), and it lands most often on the allocation-heaviest moment there is: the gate's own
 decision, which builds a window's plans for every rank while the last closing reports wait
 behind it. So the coordinator process takes full passes off the allocation trigger
-(:func:`take_full_passes`, at its start) and makes them itself (:class:`Collector`):
+(:func:`take_full_passes`, at its start) and makes them itself (:class:`Collector`), and
+so does ``ddpbus simulate`` (one process standing for a whole cohort):
 
-- at a quiet moment, right after a window opened and its plans are on the wire (the ranks
-  train, the next gate is a window away: the moment a full snapshot is written too), at
-  most once every :data:`EVERY_S`;
+- at a quiet moment, once an average is over (every rank's SyncAck read; the ranks train,
+  the next gate is a window away: the moment a full snapshot is written too; the
+  simulator's: once its SyncAcks are on the wire), at most once every :data:`EVERY_S`;
 - on a tick once :data:`OVERDUE_S` passed without one, whatever is happening (a job that
   opens no window still collects its cycles).
 

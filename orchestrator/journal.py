@@ -3,8 +3,9 @@
 A full snapshot (:mod:`.snapshot`) costs time linear in the cohort (at 1,024 ranks about
 60 ms of encoding), too much to write before every batch of commands while a thousand ranks
 report. So a full snapshot is written about once every :data:`FULL_EVERY_S`, at a quiet
-moment (just after a window opened: the next gate, the decision everyone waits for, is a
-window away; not just after its SyncNow, which a thousand SyncAcks follow at once), or
+moment (once an average is over, every rank's SyncAck read: the ranks train the window
+that came with the SyncNow and the next gate, the decision everyone waits for, is a window
+away; not while the thousand SyncAcks are coming in, whose reading times the average), or
 once :data:`OVERDUE` intervals late whatever is happening; before any other batch of
 commands is published the shell stores a *segment*: the events the core applied since
 the previous write, each with the ``now`` it was decided at, the stream

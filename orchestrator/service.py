@@ -109,10 +109,12 @@ class CoordinatorSettings:
 EXIT_DEPOSED = 3
 LATENCY_SAMPLES = 200_000
 SYNC_NOW: Final = convert.BY_CLASS[m.SyncNow].type_name  # its Ddpbus-Type header
-# the Ddpbus-Type of the broadcast that opens a window (after an average, or at the start):
-# the ranks go off to train and the next gate is a window away, a quiet moment for a full
-# snapshot (not right after SyncNow: a thousand SyncAcks follow it at once)
-OPENS_WINDOW: Final = convert.BY_CLASS[m.SetGlobalStep].type_name
+# the records that close an average (every rank answered it, or its broker round ended):
+# the quiet moment for a full snapshot and a full collection. The ranks train the window
+# they were given with the SyncNow, the next gate is a window away, and the thousand
+# SyncAcks that follow a SyncNow are in (blocking the loop among them would delay their
+# reading, and with it the reduce time El Che weighs the averaging by)
+ROUND_OVER: Final = frozenset({"averaged", "update"})
 
 
 def percentiles(samples: deque[float]) -> dict[str, float | int]:
@@ -165,7 +167,7 @@ class Coordinator:
         # the next journal segment (a full snapshot covers them instead)
         self._applied: list[tuple[Event | journal.Wire, float]] = []
         self._commit_wanted = asyncio.Event()
-        self._committed = asyncio.Event()  # set while nothing decided waits for a snapshot
+        self._committed = asyncio.Event()  # set while nothing decided waits, no write runs
         self._committed.set()
         # when the latest SyncNow was handed to the publisher (after its snapshot): the
         # "averaged" record adds the time from there to the last SyncAck (the core's own
@@ -175,6 +177,7 @@ class Coordinator:
         self._beats: list[Msg] = []  # heartbeats since the last tick, applied at the next
         # full passes of the cycle collector, at quiet moments (see collector.py)
         self.collector = Collector()
+        self._round_over = False  # an average is over: a quiet moment (ROUND_OVER)
 
     async def run(self) -> int:
         s = self.settings
@@ -557,10 +560,10 @@ class Coordinator:
 
         The write is a journal segment (the events applied since the previous write: its
         cost follows the traffic, not the cohort), and a full snapshot about once every
-        ``--snapshot-every`` seconds, written right after a batch that opened a window
-        (a quiet moment: the next gate is a window away) or when overdue. It is encoded
-        at once (no await between taking the batch and encoding: the state is exactly the
-        one that decided it);
+        ``--snapshot-every`` seconds, written once an average is over (a quiet moment:
+        see ``ROUND_OVER``) or when overdue; the cycle collector's full passes go there
+        too (collector.py). It is encoded at once (no await between taking the batch and
+        encoding: the state is exactly the one that decided it);
         while its KV write is in flight the core decides the next inputs, whose commands
         wait for the next write. So a burst of decisions (a thousand ranks' acks) costs a
         few writes, not one each."""
@@ -568,8 +571,16 @@ class Coordinator:
             await self._commit_wanted.wait()
             self._commit_wanted.clear()
             rebase = False  # a full snapshot now, with whatever is decided meanwhile
-            while (self._decided or rebase
-                   or len(self._applied) >= journal.FLUSH_EVENTS):
+            while True:
+                if self._round_over:  # a quiet moment
+                    self._round_over = False
+                    rebase = rebase or self.journal.wanted(time.monotonic())
+                    if self.collector.quiet_due():
+                        self.collector.collect()
+                if not (self._decided or rebase
+                        or len(self._applied) >= journal.FLUSH_EVENTS):
+                    break
+                self._committed.clear()  # (a write in flight: the end waits for it too)
                 batch, started = self._decided, self._decided_at
                 events = self._applied
                 self._decided, self._decided_at, self._applied = [], [], []
@@ -588,13 +599,6 @@ class Coordinator:
                 kinds = {out.headers.get(sj.H_TYPE) for out in batch}
                 if SYNC_NOW in kinds:
                     self._sync_published_at = now
-                if OPENS_WINDOW in kinds:
-                    rebase = self.journal.wanted(time.monotonic())
-                    collect = self.collector.quiet_due()
-                    if rebase or collect:  # the window's plans on the wire before the
-                        await self.publisher.flush(0.5)  # loop blocks
-                    if collect:
-                        self.collector.collect()
                 for t, training in started:
                     self.decision_ms.append((now - t) * 1000.0)
                     if training:
@@ -646,6 +650,9 @@ class Coordinator:
         task.add_done_callback(self._background.discard)
 
     def _record(self, c: Record) -> None:
+        if c.event in ROUND_OVER:
+            self._round_over = True
+            self._commit_wanted.set()
         if c.event == "averaged" and self._sync_published_at is not None:
             c = Record(c.event, {**c.fields, "publish_to_acks_ms": round(
                 (time.time() - self._sync_published_at) * 1000.0, 3)})

@@ -19,7 +19,7 @@ real ack floors), or, for the largest loads, all ranks through one core-NATS sub
 (``intake="core"``: no per-rank fan-out of ``control.all``, no acks, duplicates dropped by
 ``Nats-Msg-Id``). One process stands for the whole cohort, so its pauses would pause every
 rank at once: ``ddpbus simulate`` freezes the cohort once it is built and makes the cycle
-collector's full passes where a window opens (:mod:`.collector`), not wherever an
+collector's full passes once it has answered a SyncNow (:mod:`.collector`), not wherever an
 allocation crosses the threshold (30-60 ms each at 1,024 ranks, every second or two, after
 which every rank sent what it held together: a burst no cluster sends).
 What it leaves out, by design: tensors (no model, no collective:
@@ -140,9 +140,10 @@ class SimulatedCohort:
                               "(one must survive), at 0 seconds or later")
         self.kill = kill
         # with a collector (``ddpbus simulate``, whose process leaves full collections
-        # to it) the cohort makes them where a window opens: one process stands for a
-        # thousand hosts, and a full pass (30-60 ms here) at any other moment paused every
-        # simulated rank at once, to send what it held together, a burst no cluster sends
+        # to it) the cohort makes them once its SyncAcks are out: one process stands for
+        # a thousand hosts, and a full pass (30-60 ms here) at any other moment paused
+        # every simulated rank at once, to send what it held together, a burst no cluster
+        # sends
         self.collector = collector
         self._collecting = False  # a pass is scheduled
         self.killed: list[int] = []  # the ranks that died together
@@ -209,7 +210,7 @@ class SimulatedCohort:
             beats.cancel()
             clock.cancel()
             if self.collector is not None:
-                log.info("full collections, where windows opened: %s", self.collector.report())
+                log.info("full collections, after the SyncAcks: %s", self.collector.report())
             for t in readers:
                 t.cancel()
             await asyncio.gather(*readers, return_exceptions=True)
@@ -333,7 +334,6 @@ class SimulatedCohort:
             r.sessions += 1
         elif isinstance(msg, m.SetGlobalStep):
             r.open = True
-            self._quiet_moment()
             r.budget = msg.step_budget[r.rank] if r.rank < len(msg.step_budget) else (
                 2**62 if not msg.step_budget else 0)
             for p in msg.plans:  # the window's plans: this rank's, as StartEpochs
@@ -350,6 +350,7 @@ class SimulatedCohort:
                                     divergence=self._rng.uniform(0.0, 0.02)), durable=True)
             self._after_ack(r)
             r.open, r.window_steps, r.throttled = False, 0, False
+            self._quiet_moment()
         elif isinstance(msg, m.Throttle):
             r.throttled = True
         elif isinstance(msg, m.DeclareDead):
@@ -458,16 +459,23 @@ class SimulatedCohort:
             await asyncio.sleep(TICK_S)
 
     def _quiet_moment(self) -> None:
-        """A window opened: a full collection if one is due, once the broadcast is handled
-        (every rank has its plans)."""
+        """An average asked for: a full collection if one is due, once every rank has
+        answered it and the answers are on the wire (the coordinator times the averaging
+        by them; the ranks then wait for the window's plans, which come with the SyncNow)."""
         if self.collector is not None and not self._collecting and self.collector.quiet_due():
             self._collecting = True
-            asyncio.get_running_loop().call_soon(self._collect)
+            task = asyncio.ensure_future(self._collect())
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
 
-    def _collect(self) -> None:
-        self._collecting = False
-        if self.collector is not None:
-            self.collector.collect()
+    async def _collect(self) -> None:
+        try:
+            with contextlib.suppress(*bus.TRANSIENT_ERRORS):
+                await self.nc.flush(timeout=1)
+            if self.collector is not None:
+                self.collector.collect()
+        finally:
+            self._collecting = False
 
     async def _beat(self) -> None:
         """Every rank beats once a ``HEARTBEAT_S``, rank r at phase r / ranks of it: real

@@ -10,6 +10,8 @@ import sys
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from ddpbus.codecs import messages as m
 from ddpbus.orchestrator import collector
 from ddpbus.orchestrator.collector import Collector
@@ -98,21 +100,36 @@ def test_a_pass_is_overdue_after_the_overdue_interval_whatever_happens() -> None
     assert c.report()["passes"] == 1
 
 
-async def test_the_simulator_collects_once_where_a_window_opens() -> None:
-    """One process stands for the whole cohort: its passes go where a window opens, once
-    every rank has its plans, at most every EVERY_S."""
+async def test_the_simulator_collects_once_its_acks_are_on_the_wire(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One process stands for the whole cohort: its passes come once every rank has
+    answered a SyncNow and the answers are flushed to the server, at most every EVERY_S."""
     clock = FakeClock()
     made = Collector(clock)
-    cohort = SimulatedCohort(SimpleNamespace(jetstream=lambda: None),  # type: ignore[arg-type]
-                             "sim", b"k" * 32, 64, collector=made)
+    happened: list[str] = []
+
+    async def flush(**_: object) -> None:  # nats-py: flush(timeout=...)
+        happened.append("flush")
+
+    real_collect = made.collect
+    monkeypatch.setattr(made, "collect", lambda: happened.append("collect") or real_collect())
+    cohort = SimulatedCohort(SimpleNamespace(jetstream=lambda: None,  # type: ignore[arg-type]
+                                             flush=flush), "sim", b"k" * 32, 64,
+                             collector=made)
+    sent: list[object] = []
+    monkeypatch.setattr(cohort, "_emit", lambda r, msg, durable: sent.append(msg))
     clock.now += collector.EVERY_S
     for r in cohort.ranks:
-        cohort.handle(r, m.SetGlobalStep(global_step=1))
-    assert made.passes == 0  # not while the broadcast is being handled
-    await asyncio.sleep(0)
+        cohort.handle(r, m.SyncNow())
+    assert sum(isinstance(x, m.SyncAck) for x in sent) == 64
+    assert happened == []  # not while the broadcast is being handled
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert happened == ["flush", "collect"]  # the acks out first, once for the cohort
     assert made.passes == 1
     clock.now += collector.EVERY_S / 2
-    for r in cohort.ranks:  # the next window, too soon
-        cohort.handle(r, m.SetGlobalStep(global_step=2))
-    await asyncio.sleep(0)
+    for r in cohort.ranks:  # the next average, too soon
+        cohort.handle(r, m.SyncNow())
+    for _ in range(3):
+        await asyncio.sleep(0)
     assert made.passes == 1
