@@ -326,8 +326,10 @@ def settle(s: State, now: float, out: Out) -> None:
 def compact_pools(s: State) -> None:
     """Keep only the ledger of every epoch that is aggregated, served at its boundary and
     in the consensus everywhere (no rank holds an unsealed or unreported piece of it, so no
-    death can reassign any of it): the state, and every snapshot of it, stays the size of
-    the cohort however long the run goes."""
+    death can reassign any of it): the state, and every snapshot of it, does not grow from
+    one epoch to the next. (Within the open epoch it still does: every plan handed out
+    stays in its pool, with its metrics, until the epoch is aggregated; README, "Control
+    plane at scale".)"""
     done = [p for p in s.pools.values()
             if p.closed is None and p.aggregated and p.boundary_done]
     if not done:
