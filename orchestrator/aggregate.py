@@ -16,7 +16,11 @@ from ddpbus.codecs import messages as m
 
 
 @dataclass(slots=True)
-class _RankSum:
+class RankSum:
+    """One rank's MetricsMsg of one epoch, summed (chunks run one after another on a rank,
+    so times add up): what the aggregate is made of, and what a pool folds a settled
+    chunk into (pools.py)."""
+
     batches: int = 0
     samples: int = 0
     loss_sum: float = 0.0
@@ -43,13 +47,21 @@ class _RankSum:
     def scalar_means(self) -> dict[str, float]:
         return {k: v[0] / v[1] for k, v in self.scalars.items() if v[1] > 0}
 
+    def copy(self) -> RankSum:
+        return RankSum(self.batches, self.samples, self.loss_sum, self.time_ms,
+                       self.share_complete_ms, self.compute_only_ms, self.data_starve_ms,
+                       {k: list(v) for k, v in self.scalars.items()})
+
 
 def aggregate_epoch(epoch: int, chunks: Mapping[int, Sequence[m.MetricsMsg]], world_size: int,
-                    *, pool_wall_ms: float | None = None,
-                    device_indices: Sequence[int] = ()) -> m.EpochMetrics:
-    """``chunks[rank]`` are that rank's MetricsMsg for ``epoch``; ``pool_wall_ms`` is the
-    progressive pool's wall time (first dispatch to completion), None when not progressive."""
-    sums = [_RankSum() for _ in range(world_size)]
+                    *, pool_wall_ms: float | None = None, device_indices: Sequence[int] = (),
+                    folded: Mapping[int, RankSum] | None = None) -> m.EpochMetrics:
+    """``chunks[rank]`` are that rank's MetricsMsg for ``epoch``, ``folded[rank]`` the sum
+    of those already folded out of the pool; ``pool_wall_ms`` is the progressive pool's
+    wall time (first dispatch to completion), None when not progressive."""
+    sums = [RankSum() for _ in range(world_size)]
+    for rank, done in (folded or {}).items():
+        sums[rank] = done.copy()
     for rank, msgs in chunks.items():
         for msg in msgs:
             sums[rank].add(msg)

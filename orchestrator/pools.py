@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddpbus.codecs import messages as m
+from ddpbus.orchestrator.aggregate import RankSum
 
 
 @dataclass(slots=True)
@@ -44,6 +45,39 @@ class Assignment:
 
 
 @dataclass(slots=True)
+class Folded:
+    """The plans of an epoch that nothing can change any more, taken out of its pool: each
+    trained and reported (or orphaned) and held by no rank (in the consensus: no death can
+    cut it). What the ledger and the aggregate need of them, summed, so that an open epoch
+    keeps only the plans in flight, however long it runs (at 1,024 ranks every plan with
+    its metrics made a full snapshot's encoding grow from 22 to 172 ms over a 30 s epoch)."""
+
+    chunks: int = 0
+    trained: int = 0  # batches
+    # batch -> change of the coverage depth there (a difference map without zeros: while
+    # the folded plans tile [0, x) exactly once it holds two entries, {0: 1, x: -1})
+    edges: dict[int, int] = field(default_factory=dict)
+    sums: dict[int, RankSum] = field(default_factory=dict)  # rank -> its metrics, summed
+
+    def add(self, rank: int, a: Assignment) -> None:
+        self.chunks += 1
+        self.trained += min(a.done, a.size)
+        if a.size > 0:
+            _shift(self.edges, a.offset, 1)
+            _shift(self.edges, a.offset + a.size, -1)
+        if a.metrics is not None:
+            self.sums.setdefault(rank, RankSum()).add(a.metrics)
+
+
+def _shift(edges: dict[int, int], at: int, by: int) -> None:
+    value = edges.get(at, 0) + by
+    if value:
+        edges[at] = value
+    else:
+        edges.pop(at, None)
+
+
+@dataclass(slots=True)
 class Pool:
     """One epoch's batches: ``cursor`` of ``total`` handed out so far."""
 
@@ -62,6 +96,7 @@ class Pool:
     # add up, metrics arrive once, a dead rank's plan is cut to what it trained): the
     # checks below resume from there, so a thousand ranks' metrics do not rescan the pool
     settled: int = 0
+    folded: Folded = field(default_factory=Folded)  # settled plans no rank holds any more
 
     @property
     def remaining(self) -> int:
@@ -112,6 +147,21 @@ class Pool:
         self.assignments.append((rank, a))
         return a
 
+    def fold(self, held: set[int]) -> None:
+        """Take every settled plan that no rank holds (``held``: the ids of the plans in
+        the ranks' queues and unsealed histories) out of the pool, into :attr:`folded`."""
+        settled = self._settle()
+        if not settled:
+            return
+        keep: list[tuple[int, Assignment]] = []
+        for i, (rank, a) in enumerate(self.assignments):
+            if i < settled and id(a) not in held:
+                self.folded.add(rank, a)
+            else:
+                keep.append((rank, a))
+        if len(keep) < len(self.assignments):
+            self.assignments, self.settled = keep, 0
+
     def drop(self, a: Assignment) -> None:
         self.assignments = [(r, x) for r, x in self.assignments if x is not a]
         self.settled = 0
@@ -119,11 +169,11 @@ class Pool:
     def coverage_gaps(self) -> list[tuple[int, int]]:
         """Where the assignments fail to tile ``[0, cursor)`` exactly once: ``(batch,
         times_covered)`` for the first batch of each wrong stretch (empty = exact)."""
-        edges: dict[int, int] = {}
+        edges = dict(self.folded.edges)
         for _, a in self.assignments:
             if a.size > 0:
-                edges[a.offset] = edges.get(a.offset, 0) + 1
-                edges[a.offset + a.size] = edges.get(a.offset + a.size, 0) - 1
+                _shift(edges, a.offset, 1)
+                _shift(edges, a.offset + a.size, -1)
         wrong, depth, last = [], 0, 0
         for at in sorted(edges):
             if at > last and depth != 1 and last < self.cursor:
@@ -140,6 +190,7 @@ class Pool:
         self.closed = self.ledger()
         self.assignments = []
         self.settled = 0
+        self.folded = Folded()
 
     def ledger(self) -> dict[str, Any]:
         """The epoch's proof of coverage: the batches trained into the consensus (each
@@ -147,15 +198,18 @@ class Pool:
         where they fail to tile the epoch exactly once."""
         if self.closed is not None:
             return dict(self.closed)
-        done = sum(min(a.done, a.size) for _, a in self.assignments)
+        done = self.folded.trained + sum(min(a.done, a.size) for _, a in self.assignments)
         gaps = self.coverage_gaps() if self.exhausted else [(self.cursor, 0)]
         incomplete = [[a.offset, a.size - a.done] for _, a in self.assignments
                       if not a.complete]
         return {"epoch": self.epoch, "batches": self.total, "trained": done,
-                "chunks": len(self.assignments), "gaps": gaps, "incomplete": incomplete,
+                "chunks": self.folded.chunks + len(self.assignments), "gaps": gaps,
+                "incomplete": incomplete,
                 "exact": not gaps and not incomplete and done == self.total}
 
     def chunks(self) -> dict[int, list[m.MetricsMsg]]:
+        """The metrics of the plans not folded yet, by rank (:attr:`folded` has the sums of
+        the others)."""
         out: dict[int, list[m.MetricsMsg]] = {}
         for rank, a in self.assignments:
             if a.metrics is not None:

@@ -133,7 +133,7 @@ def aggregate_ready(s: State, now: float, out: Out) -> None:
             wall = (now - pool.first_dispatch_at) * 1000.0
         devices = tuple(_device_index(r.hello.device if r.hello else "") for r in s.ranks)
         metrics = aggregate_epoch(pool.epoch, pool.chunks(), len(s.ranks), pool_wall_ms=wall,
-                                  device_indices=devices)
+                                  device_indices=devices, folded=pool.folded.sums)
         pool.aggregated = True
         for rank, ms in enumerate(metrics.per_rank_compute_only_ms):
             s.rank_compute_ms[rank] += ms
@@ -326,18 +326,20 @@ def settle(s: State, now: float, out: Out) -> None:
 def compact_pools(s: State) -> None:
     """Keep only the ledger of every epoch that is aggregated, served at its boundary and
     in the consensus everywhere (no rank holds an unsealed or unreported piece of it, so no
-    death can reassign any of it): the state, and every snapshot of it, does not grow from
-    one epoch to the next. (Within the open epoch it still does: every plan handed out
-    stays in its pool, with its metrics, until the epoch is aggregated; README, "Control
-    plane at scale".)"""
-    done = [p for p in s.pools.values()
-            if p.closed is None and p.aggregated and p.boundary_done]
-    if not done:
-        return
-    open_epochs = {a.epoch for r in s.ranks for held in (r.history, r.queue) for a in held}
-    for pool in done:
-        if pool.epoch not in open_epochs:
+    death can reassign any of it); and of every other epoch, fold the plans that are
+    settled and that no rank holds any more (:meth:`Pool.fold`): the state, and every
+    snapshot of it, stays the size of the cohort and its work in flight, however long the
+    run or the epoch."""
+    held = [a for r in s.ranks for q in (r.history, r.queue) for a in q]
+    open_epochs = {a.epoch for a in held}
+    ids = {id(a) for a in held}
+    for pool in s.pools.values():
+        if pool.closed is not None:
+            continue
+        if pool.aggregated and pool.boundary_done and pool.epoch not in open_epochs:
             pool.compact()
+        else:
+            pool.fold(ids)
 
 
 # ------------------------------------------------------------------- dispatch
