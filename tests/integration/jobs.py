@@ -178,10 +178,28 @@ def stream_types(messages: list[tuple[str, m.Message]]) -> Counter[str]:
 
 def held_metrics(messages: list[tuple[str, m.Message]], rank: int) -> tuple[int, int]:
     """Check, in stream order, that every MetricsMsg of ``rank`` whose plan ended with its
-    window (the plan's last step is the step of the rank's next SyncAck) comes after that
-    SyncAck, not with the closing batch (orchestrator/reports.py). Returns (such plans,
-    plans in all)."""
-    own = [x for _, x in messages if getattr(x, "rank", None) == rank]
+    window's budget (the window's closing batch, as the worker judges it: its step count
+    at the SyncAck that opened the window plus that window's ``step_budget``) comes after
+    the SyncAck that closes the window, not with the closing batch
+    (orchestrator/reports.py). A plan that ended short of the budget sends its metrics at
+    once, even when the average then came before the rank trained on (it waited, say, at
+    an epoch boundary). Returns (such plans, plans in all)."""
+    budget: int | None = None  # of the window the latest SetGlobalStep opened
+    window_end: int | None = None  # the step at which this rank's current window closes
+    own: list[m.Message] = []
+    ends: list[int | None] = []  # per own message: its window's closing step
+    for _, x in messages:
+        if isinstance(x, m.SetGlobalStep):
+            budget = x.step_budget[rank] if rank < len(x.step_budget) else None
+            if window_end is None and budget is not None:
+                window_end = budget  # the first window opens at step 0
+            continue
+        if getattr(x, "rank", None) != rank:
+            continue
+        if isinstance(x, m.SyncAck):
+            window_end = x.step_count + budget if budget is not None else None
+        own.append(x)
+        ends.append(window_end)
     end = held = plans = 0
     for i, x in enumerate(own):
         if not isinstance(x, m.MetricsMsg):
@@ -190,8 +208,8 @@ def held_metrics(messages: list[tuple[str, m.Message]], rank: int) -> tuple[int,
         end += x.batches_processed  # the plan's last local step (plans go in order)
         last = next((j for j in range(i)
                      if any(b.step_count == end for b in m.batches(own[j]))), None)
-        if last is None:
-            continue  # a report in mid-window may be lost; a closing one never is
+        if last is None or ends[last] != end:
+            continue  # lost on the way, or not the window's closing batch
         ack = next((j for j in range(last, len(own)) if isinstance(own[j], m.SyncAck)), None)
         if ack is not None and own[ack].step_count == end:  # averaged right at its end
             held += 1
