@@ -29,7 +29,7 @@ if sys.argv[1] == "taken":
 passes = []
 gc.callbacks.append(lambda phase, info: phase == "stop" and passes.append(info["generation"]))
 class Node:
-    pass
+    other = None  # the node it points at
 live = []  # what the process holds a while (the state, as it changes), then lets go
 for _ in range(200_000):
     a, b = Node(), Node()
