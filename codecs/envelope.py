@@ -123,8 +123,13 @@ class Encoder:
     """Builds signed envelopes for one sender incarnation (``sender`` at ``generation``).
 
     ``Nats-Msg-Id`` is ``<sender>.g<generation>.<seq>`` with ``seq`` counting up from
-    ``first_seq``; pass ``seq=`` to re-create a message deterministically (a retried or
-    replayed publish then carries the same id and JetStream drops the duplicate).
+    ``first_seq`` over the messages for the job's stream only; pass ``seq=`` to re-create a
+    message deterministically (a retried or replayed publish then carries the same id and
+    JetStream drops the duplicate). Messages on core subjects (never stored: the live
+    beacons, tensor frames) count apart, as ``<sender>.g<generation>.c<n>``: the stream's
+    ids stay dense, so a gap in them means a stream message not stored (yet), which is what
+    the coordinator's deduplication remembers (a beacon a second would otherwise leave one
+    such gap per rank per second, and fill its 256-id memory within minutes).
     """
 
     def __init__(self, *, job: str, key: bytes, sender: str, generation: int,
@@ -140,13 +145,17 @@ class Encoder:
         self.max_frame_payload = max_frame_payload
         self._signer = Signer(key)
         self._gen = str(generation)
-        self._next_seq = first_seq
+        self._next_seq = first_seq  # stream subjects
+        self._next_core = 1  # core subjects
 
-    def _seq(self, seq: int | None) -> int:
+    def _msg_id(self, stored: bool, seq: int | None) -> str:
+        if stored:
+            if seq is None:
+                seq, self._next_seq = self._next_seq, self._next_seq + 1
+            return f"{self.sender}.g{self._gen}.{seq}"
         if seq is None:
-            seq = self._next_seq
-            self._next_seq += 1
-        return seq
+            seq, self._next_core = self._next_core, self._next_core + 1
+        return f"{self.sender}.g{self._gen}.c{seq}"
 
     def _check_subject(self, subject: str, msg_type: str) -> sj.ParsedSubject:
         try:
@@ -163,7 +172,7 @@ class Encoder:
 
     def _envelope(self, parsed: sj.ParsedSubject, subject: str, msg_type: str,
                   content_type: str, payload: bytes, seq: int | None) -> Outbound:
-        msg_id = f"{self.sender}.g{self._gen}.{self._seq(seq)}"
+        msg_id = self._msg_id(parsed.spec.storage == "stream", seq)
         sig = self._signer.sign(subject, msg_type, self._gen, msg_id, content_type, payload)
         headers = {
             sj.H_TYPE: msg_type,

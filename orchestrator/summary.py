@@ -68,6 +68,9 @@ def summarize(s: State) -> dict[str, Any]:
         "dataset_size": s.dataset_size,
         "batches_per_epoch": s.total_batches,
         "refused": dict(s.refusals),
+        # the ranks' stream message ids below their newest not handled (yet): lost or
+        # reordered publishes, which deduplication remembers (core.first_delivery)
+        "unseen_ids": sum(len(w.holes) for w in s.seen_ids.values()),
         "coverage": _coverage(s),
         "last_bundle": s.last_bundle or None,  # the version a later --resume would load
         "resumed_from": None if (r := s.config.resume) is None else {

@@ -77,6 +77,9 @@ def test_simulated_ranks_train_a_run_to_its_end(broker: EmbeddedBroker, tmp_path
     # cadence: El Che hands the fast ranks more batches than the slow ones
     assert min(share[r] for r in fast) > max(share[r] for r in slow), share
     assert summary["decode_rejections"] == {}
+    # the ranks' stream ids are dense: their beacons (core NATS, one a second) count apart
+    # and leave no gap for deduplication to remember (it held ~1 a rank a second)
+    assert summary["unseen_ids"] == 0
     # every stream message's intake was timed, and every decision that published commands
     assert summary["intake_latency_ms"]["count"] == summary["messages_handled"] > 0
     decisions = summary["decision_latency_ms"]

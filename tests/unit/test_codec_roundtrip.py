@@ -322,7 +322,8 @@ def test_envelope_round_trip(cls: type[Any], wire_json: bool, data: st.DataObjec
 
     variant = convert.BY_CLASS[cls]
     content_type = sj.CONTENT_JSON if wire_json else sj.CONTENT_PROTOBUF
-    msg_id = f"{route.sender}.g{generation}.{seq}"
+    stored = sj.parse_subject(route.subject, JOB).spec.storage == "stream"
+    msg_id = f"{route.sender}.g{generation}.{'' if stored else 'c'}{seq}"
     assert out.subject == route.subject
     assert out.headers == {
         sj.H_TYPE: variant.type_name, sj.H_SCHEMA: "1", sj.H_JOB: JOB,
@@ -369,6 +370,25 @@ def test_encoder_numbers_messages_from_first_seq() -> None:
     following = enc.encode(subject, m.Exiting(rank=7)).headers[sj.H_MSG_ID]
     assert ids == ["rank-7.g3.41", "rank-7.g3.42"]
     assert (fixed, following) == ("rank-7.g3.5", "rank-7.g3.43")
+
+
+def test_core_subjects_count_apart_from_the_stream() -> None:
+    """Beacons and tensor frames (core NATS, never stored) leave no gap in the stream's
+    ids, which the coordinator's deduplication would remember (core.first_delivery)."""
+    enc = Encoder(job=JOB, key=KEY, sender="rank-7", generation=3)
+    timing, live = f"ddpbus.{JOB}.timing.rank.7", f"ddpbus.{JOB}.live.rank.7"
+    ids = []
+    for _ in range(2):
+        ids.append(enc.encode(timing, m.Exiting(rank=7)).headers[sj.H_MSG_ID])
+        ids.append(enc.encode(live, m.Heartbeat(rank=7, step_count=1)).headers[sj.H_MSG_ID])
+    ids += [out.headers[sj.H_MSG_ID] for out in enc.encode_tensor(
+        f"ddpbus.{JOB}.data.rank.7", "w", "float32", (2,), b"\0" * 8)]
+    ids.append(enc.encode(timing, m.Exiting(rank=7)).headers[sj.H_MSG_ID])
+    assert ids == ["rank-7.g3.1", "rank-7.g3.c1", "rank-7.g3.2", "rank-7.g3.c2",
+                   "rank-7.g3.c3", "rank-7.g3.3"]
+    beat = enc.encode(live, m.Heartbeat(rank=7, step_count=1))
+    env = Decoder(job=JOB, key=KEY).decode(beat.subject, beat.headers, beat.payload)
+    assert env.msg_id == "rank-7.g3.c4"  # signed and verified like any other id
 
 
 def test_identical_inputs_give_identical_envelopes() -> None:
@@ -582,7 +602,7 @@ def test_tensor_envelope_round_trip(target: str, rank: int, dtype: str, shape: t
         env = dec.decode(out.subject, out.headers, out.payload)
         assert (env.msg_type, env.rank, env.sender, env.generation) == (
             tensor.TYPE_NAME, env_rank, sender, generation)
-        assert env.msg_id == f"{sender}.g{generation}.{seq}"
+        assert env.msg_id == f"{sender}.g{generation}.c{seq}"  # core NATS: counted apart
         chunk = env.message
         assert isinstance(chunk, tensor.TensorChunk)
         _assert_zero_copy(chunk, out.payload)
