@@ -233,6 +233,23 @@ def rank_consumer(rank: int) -> str:
     return f"rank-{rank}"
 
 
+class MsgId(NamedTuple):
+    sender: str  # "coordinator", "reducer", "rank-N"
+    generation: int
+    seq: int
+
+
+def parse_msg_id(msg_id: str) -> MsgId | None:
+    """A stream message's ``Nats-Msg-Id`` (``<sender>.g<generation>.<seq>``, ``seq`` dense
+    over the sender incarnation's stream messages); None for anything else, a core-NATS
+    message's ``.c<n>`` id included (envelope.Encoder)."""
+    sender, _, rest = msg_id.partition(".g")
+    gen_text, _, seq_text = rest.partition(".")
+    if not sender or not (gen_text.isdigit() and seq_text.isdigit()):
+        return None
+    return MsgId(sender, int(gen_text), int(seq_text))
+
+
 def sender_rank(sender: str) -> int | None:
     """The rank of a ``rank-N`` sender (the ``Ddpbus-Sender`` header), else None."""
     prefix, _, number = sender.partition("-")

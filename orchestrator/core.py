@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any, Final
 
 from ddpbus.codecs import messages as m
+from ddpbus.codecs import subjects as sj
 from ddpbus.orchestrator import callbacks, membership, rounds, window
 from ddpbus.orchestrator.elche import ElChe
 from ddpbus.orchestrator.guard import TrendGuard
@@ -142,43 +143,26 @@ def _dispatch(state: State, event: Event, now: float, out: list[Command]) -> Non
         out.append(Record("bus-restored", {"away_s": round(event.away_s, 3)}))
 
 
-ID_HOLES: Final = 256  # unseen lower sequences remembered per rank incarnation
-
-
 def first_delivery(state: State, msg_id: str) -> bool:
     """Whether a stream message with this ``Nats-Msg-Id`` (``rank-N.g<gen>.<seq>``) is new.
 
     JetStream drops re-published copies inside its duplicate window (2 min); a publisher
     that re-sends its unacknowledged backlog after a longer broker outage can store a second
     copy, which this catches: per rank incarnation, the highest sequence seen and the lower
-    ones not seen yet (a sender's messages can reach the stream slightly out of order when
-    a lost publish is re-sent). Never refuses a sequence it has not seen: an id it cannot
-    parse, or an older incarnation's, is left to the other checks."""
-    sender, _, rest = msg_id.partition(".g")
-    gen_text, _, seq_text = rest.partition(".")
-    if not sender.startswith("rank-") or not (gen_text.isdigit() and seq_text.isdigit()):
+    ones not seen yet (:class:`IdWindow`; a sender's messages can reach the stream slightly
+    out of order when a lost publish is re-sent). Never refuses a sequence it has not seen:
+    an id it cannot parse, or an older incarnation's, is left to the other checks."""
+    parsed = sj.parse_msg_id(msg_id)
+    rank = None if parsed is None else sj.sender_rank(parsed.sender)
+    if parsed is None or rank is None:
         return True
-    rank_text = sender.removeprefix("rank-")
-    if not rank_text.isdigit():
-        return True
-    rank, generation, seq = int(rank_text), int(gen_text), int(seq_text)
     w = state.seen_ids.get(rank)
-    if w is None or generation > w.generation:
-        state.seen_ids[rank] = IdWindow(generation=generation, high=seq, holes=set(
-            range(max(1, seq - 16), seq)))
+    if w is None or parsed.generation > w.generation:
+        state.seen_ids[rank] = IdWindow.first_seen(parsed.generation, parsed.seq)
         return True
-    if generation < w.generation:
+    if parsed.generation < w.generation:
         return True
-    if seq > w.high:
-        w.holes.update(range(max(w.high + 1, seq - ID_HOLES), seq))
-        w.high = seq
-        while len(w.holes) > ID_HOLES:
-            w.holes.remove(min(w.holes))
-        return True
-    if seq in w.holes:
-        w.holes.remove(seq)
-        return True
-    return False
+    return w.admit(parsed.seq)
 
 
 def _sender(state: State, rank: int, what: str, out: list[Command]) -> RankState | None:

@@ -5,8 +5,10 @@ mark the run's course become one line each, stamped with the time since the firs
 message: ranks joining and being admitted, communicator sessions, averages (with the global
 step they closed), epochs aggregated, evals, bundles, deaths and the work handed on,
 rejoins, exits, and the end. ``--speed X`` paces the lines at X times the recorded pace
-(default: as fast as it reads). The coordinator's own re-published copies (a restart
-re-sends what it had not stored) are told once.
+(default: as fast as it reads). A copy stored twice (a publisher that re-sent its backlog
+after a broker outage longer than the duplicate window) is told once: per sender
+incarnation, the newest id and the few unseen below it (``IdWindow``, bounded, so a
+stream of millions of messages costs no more memory than a short one).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ddpbus.codecs import DecodeError, Decoder, Envelope
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.orchestrator.auth import Access, access
+from ddpbus.orchestrator.state import IdWindow
 
 
 @dataclass
@@ -39,7 +42,7 @@ class Narrator:
     sessions: set[bytes] = field(default_factory=set)
     dead: set[int] = field(default_factory=set)
     joined: set[int] = field(default_factory=set)  # ranks that said Hello
-    seen_ids: set[str] = field(default_factory=set)
+    seen_ids: dict[tuple[str, int], IdWindow] = field(default_factory=dict)  # by incarnation
     refused: int = 0
 
     def stamp(self, when: dt.datetime) -> str:
@@ -50,10 +53,8 @@ class Narrator:
 
     def tell(self, env: Envelope) -> Iterator[str]:
         """The timeline lines this message adds (most add none)."""
-        if env.msg_id and env.msg_id in self.seen_ids:
+        if not self._first(env.msg_id):
             return  # a re-published copy
-        if env.msg_id:
-            self.seen_ids.add(env.msg_id)
         msg = env.message
         if isinstance(msg, m.Hello | m.Rejoin):
             yield self._arrival(msg)
@@ -75,6 +76,17 @@ class Narrator:
             yield f"rank {msg.rank} declared dead"
         elif isinstance(msg, m.Shutdown):
             yield f"run complete after {self.rounds} averages"
+
+    def _first(self, msg_id: str) -> bool:
+        parsed = sj.parse_msg_id(msg_id)
+        if parsed is None:
+            return True  # not a stream id of ours: nothing to tell it apart by
+        key = (parsed.sender, parsed.generation)
+        w = self.seen_ids.get(key)
+        if w is None:
+            self.seen_ids[key] = IdWindow.first_seen(parsed.generation, parsed.seq)
+            return True
+        return w.admit(parsed.seq)
 
     def _arrival(self, msg: m.Hello | m.Rejoin) -> str:
         hello = msg.hello if isinstance(msg, m.Rejoin) else msg

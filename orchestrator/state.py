@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from ddpbus.codecs import messages as m
 from ddpbus.orchestrator.config import Schedule
@@ -248,15 +248,40 @@ class RankState:
         return sum(a.remaining for a in self.queue)
 
 
+ID_HOLES: Final = 256  # unseen lower sequences remembered per sender incarnation
+ID_LOOKBACK: Final = 16  # ... at first sight: the ones just before may still come
+
+
 @dataclass(slots=True)
 class IdWindow:
-    """The stream message ids seen from one rank incarnation (``rank-N.g<generation>.<seq>``):
-    the highest sequence and the lower ones not seen yet (at most ``ID_HOLES``, the most
-    recent). A sequence at or below ``high`` that is not a hole was seen: a duplicate."""
+    """The stream message ids seen from one sender incarnation (``<sender>.g<generation>.
+    <seq>``): the highest sequence and the lower ones not seen yet (at most ``ID_HOLES``,
+    the most recent). A sequence at or below ``high`` that is not a hole was seen: a
+    duplicate. Its size is bounded however long the sender lives."""
 
     generation: int
     high: int = 0
     holes: set[int] = field(default_factory=set)
+
+    @classmethod
+    def first_seen(cls, generation: int, seq: int) -> IdWindow:
+        """The window of an incarnation whose first message seen is ``seq`` (the
+        :data:`ID_LOOKBACK` before it may be on their way, re-sent out of order)."""
+        return cls(generation=generation, high=seq,
+                   holes=set(range(max(1, seq - ID_LOOKBACK), seq)))
+
+    def admit(self, seq: int) -> bool:
+        """Whether ``seq`` is new (and remember it); False for one seen before."""
+        if seq > self.high:
+            self.holes.update(range(max(self.high + 1, seq - ID_HOLES), seq))
+            self.high = seq
+            while len(self.holes) > ID_HOLES:
+                self.holes.remove(min(self.holes))
+            return True
+        if seq in self.holes:
+            self.holes.remove(seq)
+            return True
+        return False
 
 
 @dataclass(slots=True)
