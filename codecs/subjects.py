@@ -155,6 +155,9 @@ def stream_name(job: str) -> str:
     return f"DDPBUS_{check_job(job)}"
 
 
+SUMMARY_KEY: Final = "run.summary"  # the run's summary, written once the run is over
+
+
 def kv_bucket(job: str) -> str:
     return f"ddpbus_{check_job(job)}"
 

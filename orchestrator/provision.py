@@ -154,3 +154,23 @@ async def ensure_job(js: JetStreamContext, job: str, world_size: int,
         await js.add_consumer(config.name or "", consumer)  # creates, or updates in place
         names.append(consumer.durable_name or "")
     return JobResources(stream=config.name or "", bucket=bucket, consumers=tuple(names))
+
+
+async def retire_consumers(js: JetStreamContext, job: str, world_size: int) -> int:
+    """Delete the job's durable consumers (the coordinator's and every rank's) once its run
+    is over; the stream, the bucket and the Object Stores stay (status, replay, report,
+    resume). Each durable is state the server keeps, loads and syncs: a finished job's
+    would cost every later server restart (~10 ms each on shutdown: a broker holding a
+    1,024-rank job's took over 10 s to stop) and count against the stream's consumer cap.
+    Watchers' ephemeral consumers are left alone. Returns how many it deleted; a rank
+    started after this finds no consumer and the run's summary, and stops (nothing to
+    join)."""
+    stream = sj.stream_name(job)
+    deleted = 0
+    for consumer in consumer_configs(job, world_size, JobStorage()):
+        try:
+            await js.delete_consumer(stream, consumer.durable_name or "")
+        except NotFoundError:
+            continue
+        deleted += 1
+    return deleted

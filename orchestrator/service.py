@@ -54,7 +54,12 @@ from ddpbus.orchestrator.config import describe
 from ddpbus.orchestrator.core import initial_state, resume, transition
 from ddpbus.orchestrator.lease import Lease, LeaseLost
 from ddpbus.orchestrator.metrics import CoordinatorMetrics
-from ddpbus.orchestrator.provision import JobStorage, consumer_configs, ensure_job
+from ddpbus.orchestrator.provision import (
+    JobStorage,
+    consumer_configs,
+    ensure_job,
+    retire_consumers,
+)
 from ddpbus.orchestrator.retention import Compactor, Retention
 from ddpbus.orchestrator.state import (
     Admit,
@@ -78,7 +83,7 @@ log = logging.getLogger(__name__)
 events_log = logging.getLogger("ddpbus.orchestrator.events")
 
 TICK_S = 0.1
-SUMMARY_KEY = "run.summary"
+SUMMARY_KEY = sj.SUMMARY_KEY
 CONFIG_KEY = "run.config"
 
 
@@ -201,6 +206,7 @@ class Coordinator:
         snap = await self._take_over(js, kv)
         if snap is not None and snap.state.phase is Phase.DONE:
             log.info("job %s already ran to its end; nothing to resume", s.job)
+            await self._retire_consumers(js)  # (ensure_job above made them again)
             await self.lease.release()
             return 0
         generation = self.config.coordinator_generation
@@ -251,6 +257,9 @@ class Coordinator:
                                            "training_decision_latency_ms":
                                                percentiles(self.training_decision_ms)}
         await bus.retry_while_away(lambda: kv.put(SUMMARY_KEY, json.dumps(summary).encode()))
+        # every rank has exited (or is dead): their consumers are no longer needed, and a
+        # rank started from now on finds the summary above instead of its consumer
+        await self._retire_consumers(js)
         if s.summary_path is not None:
             s.summary_path.parent.mkdir(parents=True, exist_ok=True)
             s.summary_path.write_text(json.dumps(summary, indent=2) + "\n")
@@ -260,6 +269,16 @@ class Coordinator:
             await self._write_report(s.report_dir)
         await self.lease.release()
         return 0 if done.ok and stored else 1
+
+    async def _retire_consumers(self, js: Any) -> None:
+        """The run is over: delete the job's durable consumers (provision.retire_consumers).
+        Best effort: a coordinator started again on the finished job retires them then."""
+        try:
+            n = await retire_consumers(js, self.settings.job, self.config.world_size)
+        except bus.TRANSIENT_ERRORS as exc:
+            log.warning("could not delete the job's consumers: %s", exc)
+            return
+        log.info("the run is over: deleted %d consumers of job %s", n, self.settings.job)
 
     async def _write_report(self, out: Path) -> None:
         """The run report from the stream; a report that fails is logged, the run stands."""

@@ -115,7 +115,9 @@ async def gather(js: JetStreamContext, job: str, key: bytes) -> dict[str, Any]:
         out["summary"] = {k: done.get(k) for k in ("ok", "reason", "test_accuracy",
                                                     "epochs", "rounds", "wall_s")}
     out["stream"] = {"messages": info.state.messages, "bytes": info.state.bytes,
-                     "last_seq": info.state.last_seq}
+                     "last_seq": info.state.last_seq,
+                     # durables and watchers; the durables go once the run is over
+                     "consumers": info.state.consumer_count}
     try:
         consumer = await js.consumer_info(sj.stream_name(job), sj.COORDINATOR_CONSUMER)
         out["stream"]["coordinator_pending"] = consumer.num_pending
@@ -156,8 +158,10 @@ def render(doc: dict[str, Any]) -> str:
                                           f"bundle v{ckpt['version']} (epoch {ckpt['epoch']}, "
                                           f"global step {ckpt['global_step']})"))
     st = doc["stream"]
+    behind = ("no coordinator consumer (the run is over)" if st["coordinator_pending"] is None
+              else f"coordinator behind by {st['coordinator_pending']}")
     lines.append(f"  stream: {st['messages']} messages, {st['bytes']} bytes, last seq "
-                 f"{st['last_seq']}; coordinator behind by {st['coordinator_pending']}")
+                 f"{st['last_seq']}, {st['consumers']} consumers; {behind}")
     if doc.get("summary"):
         s = doc["summary"]
         lines.append(f"  summary: ok={s['ok']} accuracy={s['test_accuracy']} "

@@ -30,7 +30,7 @@ import torch
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.client import JetStreamContext
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
@@ -157,6 +157,10 @@ class WorkerAgent:
         s = self.settings
         js = nc.jetstream()
         kv = await self._wait_for_job(js)
+        if kv is None:
+            log.info("rank %d: job %s is over (its coordinator wrote the run's summary): "
+                     "nothing to join", s.rank, s.job)
+            return EXIT_OK
         self.generation = await bus.next_generation(kv, sj.rank_consumer(s.rank))
         self.encoder = Encoder(job=s.job, key=s.key, sender=sj.rank_consumer(s.rank),
                                generation=self.generation, wire_json=s.wire_json)
@@ -378,11 +382,12 @@ class WorkerAgent:
 
     # -------------------------------------------------------------- messaging
 
-    async def _wait_for_job(self, js: JetStreamContext) -> KeyValue:
+    async def _wait_for_job(self, js: JetStreamContext) -> KeyValue | None:
         """The job's stream, bucket and this rank's durable consumer are made by the
         coordinator (or ``ddpbus init-job``): a rank may read its consumer, never create or
         change one (its NATS permissions say the same). Where the consumer's acks stand
-        is where a restarted incarnation resumes."""
+        is where a restarted incarnation resumes. None: the job's run is over (its summary
+        is stored and the consumers are gone, provision.retire_consumers)."""
         deadline = time.monotonic() + self.settings.join_timeout.total_seconds()
         stream, consumer = sj.stream_name(self.settings.job), sj.rank_consumer(self.rank)
         while True:
@@ -390,6 +395,8 @@ class WorkerAgent:
                 info = await js.consumer_info(stream, consumer)
                 kv = await js.key_value(sj.kv_bucket(self.settings.job))
             except (NotFoundError, BucketNotFoundError):
+                if await self._run_is_over(js):
+                    return None
                 if time.monotonic() > deadline:
                     raise DdpbusError(f"job {self.settings.job!r} has no consumer {consumer} "
                                       f"on stream {stream}; start its coordinator (with a "
@@ -400,6 +407,14 @@ class WorkerAgent:
             floor = info.ack_floor.stream_seq if info.ack_floor is not None else 0
             self.resume_seq = floor or 0
             return kv
+
+    async def _run_is_over(self, js: JetStreamContext) -> bool:
+        try:
+            kv = await js.key_value(sj.kv_bucket(self.settings.job))
+            await kv.get(sj.SUMMARY_KEY)
+        except (NotFoundError, BucketNotFoundError, KeyNotFoundError):
+            return False
+        return True
 
     def _send(self, msg: m.Message, durable: bool = True) -> None:
         s = self.settings
