@@ -158,8 +158,10 @@ def render(doc: dict[str, Any]) -> str:
                                           f"bundle v{ckpt['version']} (epoch {ckpt['epoch']}, "
                                           f"global step {ckpt['global_step']})"))
     st = doc["stream"]
-    behind = ("no coordinator consumer (the run is over)" if st["coordinator_pending"] is None
-              else f"coordinator behind by {st['coordinator_pending']}")
+    behind = (f"coordinator behind by {st['coordinator_pending']}"
+              if st["coordinator_pending"] is not None
+              else "no coordinator consumer" + (" (the run is over)"
+                                                 if doc.get("phase") == "done" else ""))
     lines.append(f"  stream: {st['messages']} messages, {st['bytes']} bytes, last seq "
                  f"{st['last_seq']}, {st['consumers']} consumers; {behind}")
     if doc.get("summary"):
