@@ -132,7 +132,9 @@ HEADERS: Final[tuple[HeaderSpec, ...]] = (
     HeaderSpec(H_RANK, "`N`, `all` or `coordinator` (the subject's last token)",
                "equals the subject's last token"),
     HeaderSpec(H_GEN, "sender generation, decimal", "not below the receiver's fence"),
-    HeaderSpec(H_MSG_ID, "`<sender>.g<gen>.<seq>`", "JetStream drops duplicates"),
+    HeaderSpec(H_MSG_ID, "`<sender>.g<gen>.<seq>` on stream subjects (`seq` 1, 2, … over the "
+               "sender's stored messages only); `<sender>.g<gen>.c<n>` on core subjects "
+               "(`live.*`, `data.*`), counted apart", "JetStream drops duplicates"),
     HeaderSpec(H_CONTENT_TYPE, f"`{CONTENT_PROTOBUF}` (default) or `{CONTENT_JSON}`",
                "one of the two"),
     HeaderSpec(H_SIG, "hex HMAC-SHA256 with the job key", "verifies"),
