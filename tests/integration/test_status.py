@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import KEY, chaos_job, spec, start_job
+from jobs import KEY, Job, chaos_job, spec, start_job
 
 from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
 
@@ -34,6 +34,30 @@ def doc(url: str, key_file: Path) -> dict[str, Any]:
 
 
 EPOCHS = 30
+
+
+def _after_the_end(job: Job, url: str, key_file: Path) -> None:
+    """The finished job: consumers gone, and processes started again stop at once."""
+    # the run is over: its durable consumers are gone (the stream, bucket and bundles stay)
+    end = doc(url, key_file)
+    assert end["stream"]["consumers"] == 0
+    assert end["stream"]["coordinator_pending"] is None
+    assert "0 consumers; no coordinator consumer (the run is over)" in status(
+        url, key_file).stdout
+    # a rank started again (a pod restarted after the end) finds the summary instead of
+    # its consumer and stops at once, successfully; a coordinator started again leaves the
+    # job as it found it
+    try:
+        late = job.respawn("rank-0", "rank-0-late")
+        assert late.wait(60) == 0, job.log("rank-0-late")
+        assert "is over (its coordinator wrote the run's summary): nothing to join" in \
+            job.log("rank-0-late")
+        again = job.respawn("coordinator", "coordinator-again")
+        assert again.wait(60) == 0, job.log("coordinator-again")
+        assert "already ran to its end" in job.log("coordinator-again")
+    finally:
+        job.kill()
+    assert doc(url, key_file)["stream"]["consumers"] == 0
 
 
 def test_status_of_a_live_run_and_of_its_end(broker: EmbeddedBroker, tmp_path: Path) -> None:
@@ -78,22 +102,7 @@ def test_status_of_a_live_run_and_of_its_end(broker: EmbeddedBroker, tmp_path: P
     assert end["summary"]["ok"]
     assert end["last_checkpoint"]["version"] == EPOCHS
     assert end["lease"] is None
-    # the run is over: its durable consumers are gone (the stream, bucket and bundles stay)
-    assert end["stream"]["consumers"] == 0
-    assert end["stream"]["coordinator_pending"] is None
-    assert "0 consumers; no coordinator consumer (the run is over)" in status(
-        broker.url, key_file).stdout
-    # a rank started again (a pod restarted after the end) finds the summary instead of
-    # its consumer and stops at once, successfully; a coordinator started again leaves the
-    # job as it found it
-    late = job.respawn("rank-0", "rank-0-late")
-    assert late.wait(60) == 0, job.log("rank-0-late")
-    assert "is over (its coordinator wrote the run's summary): nothing to join" in \
-        job.log("rank-0-late")
-    again = job.respawn("coordinator", "coordinator-again")
-    assert again.wait(60) == 0, job.log("coordinator-again")
-    assert "already ran to its end" in job.log("coordinator-again")
-    assert doc(broker.url, key_file)["stream"]["consumers"] == 0
+    _after_the_end(job, broker.url, key_file)
 
 
 def test_status_refuses_an_unknown_job_and_a_wrong_key(broker: EmbeddedBroker,
