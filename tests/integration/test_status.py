@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -13,7 +14,9 @@ from typing import Any
 import pytest
 from jobs import KEY, Job, chaos_job, spec, start_job
 
+from ddpbus.codecs import subjects as sj
 from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
+from ddpbus.orchestrator.bus import connect
 
 pytestmark = pytest.mark.timeout(240)
 CLI = [sys.executable, "-m", "ddpbus.orchestrator.cli", "status"]
@@ -36,6 +39,13 @@ def doc(url: str, key_file: Path) -> dict[str, Any]:
 EPOCHS = 30
 
 
+async def _forget_summary(url: str, job: str) -> None:
+    nc = await connect(url, name="test-forget-summary")
+    kv = await nc.jetstream().key_value(sj.kv_bucket(job))
+    await kv.purge(sj.SUMMARY_KEY)
+    await nc.close()
+
+
 def _after_the_end(job: Job, url: str, key_file: Path) -> None:
     """The finished job: consumers gone, and processes started again stop at once."""
     # the run is over: its durable consumers are gone (the stream, bucket and bundles stay)
@@ -54,7 +64,17 @@ def _after_the_end(job: Job, url: str, key_file: Path) -> None:
             job.log("rank-0-late")
         again = job.respawn("coordinator", "coordinator-again")
         assert again.wait(60) == 0, job.log("coordinator-again")
-        assert "already ran to its end" in job.log("coordinator-again")
+        assert "already ran to its end (its summary is stored)" in job.log(
+            "coordinator-again")
+        # it provisioned nothing (no consumers made only to be deleted again)
+        assert "deleted 0 consumers" in job.log("coordinator-again")
+        # a run whose summary never got stored (the broker gone at the very end) is told
+        # over by its final snapshot: what provisioning made on the way is deleted again
+        asyncio.run(_forget_summary(url, job.name))
+        last = job.respawn("coordinator", "coordinator-snapshot")
+        assert last.wait(60) == 0, job.log("coordinator-snapshot")
+        assert "already ran to its end; nothing to resume" in job.log("coordinator-snapshot")
+        assert f"deleted {job.workers + 1} consumers" in job.log("coordinator-snapshot")
     finally:
         job.kill()
     assert doc(url, key_file)["stream"]["consumers"] == 0
