@@ -35,7 +35,12 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import ObjectMeta, ObjectMetaOptions, PubAck
 from nats.js.client import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import (
+    BucketNotFoundError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 from tenacity import (
@@ -265,6 +270,17 @@ def object_chunk(max_payload: int) -> int:
     """Object chunks as large as the server allows (fewer acknowledged publishes), at
     most 4 MiB, leaving room for the protocol around them."""
     return max(64 * 1024, min(4 * 1024 * 1024, max_payload - 8 * 1024))
+
+
+async def run_is_over(js: JetStreamContext, job: str) -> bool:
+    """Whether ``job``'s run summary is stored (``run.summary``: written once, at the end
+    of the run, before its consumers are deleted)."""
+    try:
+        kv = await js.key_value(sj.kv_bucket(job))
+        await kv.get(sj.SUMMARY_KEY)
+    except (NotFoundError, BucketNotFoundError, KeyNotFoundError):
+        return False
+    return True
 
 
 async def next_generation(kv: KeyValue, name: str) -> int:

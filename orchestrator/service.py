@@ -40,12 +40,7 @@ import numpy
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
-from nats.js.errors import (
-    BucketNotFoundError,
-    KeyNotFoundError,
-    KeyWrongLastSequenceError,
-    NotFoundError,
-)
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from ddpbus.codecs import DecodeError, Decoder, Encoder, Outbound, convert
 from ddpbus.codecs import messages as m
@@ -205,7 +200,7 @@ class Coordinator:
     async def _run(self, nc: Client) -> int:
         s = self.settings
         js = nc.jetstream()
-        if await self._run_is_over(js):
+        if await bus.run_is_over(js, s.job):
             # (a pod restarted after the end: provision nothing, to retire it again)
             log.info("job %s already ran to its end (its summary is stored); nothing to "
                      "resume", s.job)
@@ -281,15 +276,6 @@ class Coordinator:
             await self._write_report(s.report_dir)
         await self.lease.release()
         return 0 if done.ok and stored else 1
-
-    async def _run_is_over(self, js: Any) -> bool:
-        """Whether the job's run summary is stored: written once, at the run's end."""
-        try:
-            kv = await js.key_value(sj.kv_bucket(self.settings.job))
-            await kv.get(SUMMARY_KEY)
-        except (NotFoundError, BucketNotFoundError, KeyNotFoundError):
-            return False
-        return True
 
     async def _retire_consumers(self, js: Any) -> None:
         """The run is over: delete the job's durable consumers (provision.retire_consumers).

@@ -30,7 +30,7 @@ import torch
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.client import JetStreamContext
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
@@ -395,7 +395,7 @@ class WorkerAgent:
                 info = await js.consumer_info(stream, consumer)
                 kv = await js.key_value(sj.kv_bucket(self.settings.job))
             except (NotFoundError, BucketNotFoundError):
-                if await self._run_is_over(js):
+                if await bus.run_is_over(js, self.settings.job):
                     return None
                 if time.monotonic() > deadline:
                     raise DdpbusError(f"job {self.settings.job!r} has no consumer {consumer} "
@@ -407,14 +407,6 @@ class WorkerAgent:
             floor = info.ack_floor.stream_seq if info.ack_floor is not None else 0
             self.resume_seq = floor or 0
             return kv
-
-    async def _run_is_over(self, js: JetStreamContext) -> bool:
-        try:
-            kv = await js.key_value(sj.kv_bucket(self.settings.job))
-            await kv.get(sj.SUMMARY_KEY)
-        except (NotFoundError, BucketNotFoundError, KeyNotFoundError):
-            return False
-        return True
 
     def _send(self, msg: m.Message, durable: bool = True) -> None:
         s = self.settings
