@@ -46,7 +46,8 @@ class ReportBuffer:
     since: float = 0.0  # when the first of them was made (seconds, any monotonic clock)
     closed: bool = False  # the last flush closed the rank's window
     settled: list[m.MetricsMsg] = field(default_factory=list)  # metrics held since then
-    due: float | None = None  # when the held metrics go at the latest (same clock)
+    acked_held: int = 0  # how many of them (the first) had their window's SyncAck
+    due: float | None = None  # when those go at the latest (same clock)
 
     def add(self, items: list[Report], now: float, interval_ms: float, *, closing: bool
             ) -> bool:
@@ -89,16 +90,22 @@ class ReportBuffer:
         self.closed = False
         if interval_ms <= 0:
             return self.release()
+        self.acked_held = len(self.settled)
         if self.settled and self.due is None:
             self.due = now + interval_ms / 1000.0 * hold_share(self.rank)
         return []
 
     def overdue(self, now: float) -> list[tuple[m.Message, bool]]:
-        """The held metrics, once their time has come."""
-        return self.release() if self.due is not None and now >= self.due else []
+        """The held metrics whose window's SyncAck went, once their time has come; those
+        of a window closed since (its SyncAck still to come) stay held, for its own ack."""
+        if self.due is None or now < self.due:
+            return []
+        ready, self.settled = self.settled[:self.acked_held], self.settled[self.acked_held:]
+        self.acked_held, self.due = 0, None
+        return [(x, True) for x in ready]
 
     def release(self) -> list[tuple[m.Message, bool]]:
         """Every held MetricsMsg (stored with an ack, like every MetricsMsg), now: behind
         the rank's reports, or before it says Exiting."""
-        settled, self.settled, self.due = self.settled, [], None
+        settled, self.settled, self.acked_held, self.due = self.settled, [], 0, None
         return [(x, True) for x in settled]

@@ -209,6 +209,27 @@ def test_metrics_behind_a_closing_flush_wait_for_the_ack_and_their_share() -> No
     assert buf.metrics(_mx(2)) == [(_mx(2), True)]  # the next window's first, mid-window
 
 
+def test_metrics_of_a_window_closed_since_wait_for_its_own_ack() -> None:
+    """Short windows: the first window's metrics are still held when the next window
+    closes; their time comes while the rank waits for that window's SyncNow. Only the
+    acknowledged window's go: the new ones would reach the coordinator in front of the
+    other ranks' closing batches (CI once caught one stored before its window's ack)."""
+    buf = ReportBuffer(2)
+    buf.add([_b(1)], 0.0, 100.0, closing=True)
+    buf.take(100.0, durable=True)
+    buf.metrics(_mx(0))
+    buf.acked(1.0, 100.0)  # due at 1.0868
+    buf.add([_b(2)], 1.01, 100.0, closing=True)  # the next window, closed at once
+    buf.take(100.0, durable=True)
+    assert buf.metrics(_mx(1)) == []
+    assert buf.overdue(1.09) == [(_mx(0), True)]  # waiting for the SyncNow: not _mx(1)
+    assert buf.settled == [_mx(1)]
+    assert buf.overdue(5.0) == []  # no time of its own before its ack
+    buf.acked(5.0, 100.0)
+    assert buf.overdue(5.09) == [(_mx(1), True)]
+    assert buf.settled == []
+
+
 def test_held_metrics_go_behind_the_next_reports_when_sooner() -> None:
     buf = ReportBuffer(2)
     buf.add([_b(1)], 0.0, 100.0, closing=True)
