@@ -83,7 +83,6 @@ log = logging.getLogger(__name__)
 events_log = logging.getLogger("ddpbus.orchestrator.events")
 
 TICK_S = 0.1
-SUMMARY_KEY = sj.SUMMARY_KEY
 CONFIG_KEY = "run.config"
 
 
@@ -263,7 +262,7 @@ class Coordinator:
                                                percentiles(self.decision_ms),
                                            "training_decision_latency_ms":
                                                percentiles(self.training_decision_ms)}
-        await bus.retry_while_away(lambda: kv.put(SUMMARY_KEY, json.dumps(summary).encode()))
+        await bus.retry_while_away(lambda: kv.put(sj.SUMMARY_KEY, json.dumps(summary).encode()))
         # every rank has exited (or is dead): their consumers are no longer needed, and a
         # rank started from now on finds the summary above instead of its consumer
         await self._retire_consumers(js)

@@ -24,7 +24,6 @@ from ddpbus.orchestrator import bundles, journal, snapshot
 from ddpbus.orchestrator.auth import Access, access
 from ddpbus.orchestrator.lease import LEASE_KEY
 from ddpbus.orchestrator.lease import parse as parse_lease
-from ddpbus.orchestrator.service import SUMMARY_KEY
 from ddpbus.orchestrator.state import State
 
 
@@ -109,7 +108,7 @@ async def gather(js: JetStreamContext, job: str, key: bytes) -> dict[str, Any]:
     out["last_checkpoint"] = None if manifest is None else {
         "version": manifest.version, "epoch": manifest.meta.get("epoch"),
         "global_step": manifest.meta.get("global_step"), "store": manifest.store}
-    summary = await _get(kv, SUMMARY_KEY)
+    summary = await _get(kv, sj.SUMMARY_KEY)
     done = _json_object(summary)
     if done is not None:
         out["summary"] = {k: done.get(k) for k in ("ok", "reason", "test_accuracy",
@@ -158,10 +157,12 @@ def render(doc: dict[str, Any]) -> str:
                                           f"bundle v{ckpt['version']} (epoch {ckpt['epoch']}, "
                                           f"global step {ckpt['global_step']})"))
     st = doc["stream"]
-    behind = (f"coordinator behind by {st['coordinator_pending']}"
-              if st["coordinator_pending"] is not None
-              else "no coordinator consumer" + (" (the run is over)"
-                                                 if doc.get("phase") == "done" else ""))
+    if st["coordinator_pending"] is not None:
+        behind = f"coordinator behind by {st['coordinator_pending']}"
+    elif doc.get("phase") == "done":
+        behind = "no coordinator consumer (the run is over)"
+    else:
+        behind = "no coordinator consumer"
     lines.append(f"  stream: {st['messages']} messages, {st['bytes']} bytes, last seq "
                  f"{st['last_seq']}, {st['consumers']} consumers; {behind}")
     if doc.get("summary"):
