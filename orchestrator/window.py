@@ -369,12 +369,13 @@ def _give(s: State, r: RankState, size: int, now: float, *, stream: bool
     following ones): the plans, in order (the caller decides how they travel)."""
     plans: list[m.RankPlan] = []
     given, epoch = 0, s.epoch
-    while given < size and epoch < s.schedule.epochs:
+    schedule = s.schedule  # (a gate gives to every rank: read once per rank, not per plan)
+    while given < size and epoch < schedule.epochs:
         a = _pool(s, epoch).take(r.rank, size - given, now)
         if a is not None:
             r.give(a)
             given += a.size
-            plans.append(m.RankPlan(rank=r.rank, plan=a.plan(s.schedule.batch_size)))
+            plans.append(m.RankPlan(rank=r.rank, plan=a.plan(schedule.batch_size)))
         if not stream:
             break
         epoch += 1
@@ -396,12 +397,15 @@ def open_window(s: State, now: float, out: Out) -> None:
     overshoot = s.schedule.overshoot(s.total_batches)
     progressive = s.schedule.effective_progressive
     plans: list[m.RankPlan] = []
+    flight = {r.rank: r.in_flight() for r in alive}  # (summed once per rank: 1,024 queues)
     if progressive and more:
-        plans = _dispatch_progressive(s, counts, now)
+        plans = _dispatch_progressive(s, counts, flight, now)
     elif more and pool.cursor == 0:
         plans = _dispatch_partitions(s, pool, now)
+    for p in plans:  # what the dispatch just handed out
+        flight[p.rank] += p.plan.partition_size // s.schedule.batch_size
     for r in alive:
-        in_flight = r.in_flight() if not r.fresh else 0
+        in_flight = flight[r.rank] if not r.fresh else 0
         r.target = min(counts[r.rank], in_flight)
         r.budget = min(in_flight, r.target + overshoot) if not progressive else \
             r.target + overshoot
@@ -424,10 +428,11 @@ def _available(s: State, *, stream: bool) -> int:
                for e in range(s.epoch, last))
 
 
-def _dispatch_progressive(s: State, counts: dict[int, int], now: float
-                          ) -> list[m.RankPlan]:
+def _dispatch_progressive(s: State, counts: dict[int, int], flight: dict[int, int],
+                          now: float) -> list[m.RankPlan]:
+    """Top every alive rank up to its count (``flight``: the batches each holds now)."""
     stream = s.schedule.policy is m.Policy.ASYNC
-    wants = {r.rank: max(0, counts[r.rank] - r.in_flight()) if not r.fresh else 0
+    wants = {r.rank: max(0, counts[r.rank] - flight[r.rank]) if not r.fresh else 0
              for r in s.alive}
     available = _available(s, stream=stream)
     if sum(wants.values()) > available:
