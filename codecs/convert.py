@@ -526,9 +526,20 @@ def _throttle_from_wire(_: Any) -> m.Throttle:
 
 
 def _global_step_to_wire(x: m.SetGlobalStep) -> pb.ControlMsg:
-    return _C(set_global_step=_C.SetGlobalStep(
-        global_step=x.global_step, step_budget=x.step_budget,
-        plans=[pb.RankPlan(rank=p.rank, plan=plan_to_wire(p.plan)) for p in x.plans]))
+    wire = _C()
+    body = wire.set_global_step
+    body.SetInParent()  # (present even when every field is at its default)
+    body.global_step = x.global_step
+    body.step_budget.extend(x.step_budget)
+    add = body.plans.add
+    for p in x.plans:
+        # filled in place: a window's broadcast carries a plan per rank, and building a
+        # message per plan to copy it in costs the coordinator ~1 ms more at 1,024 ranks
+        plan, target = p.plan, add(rank=p.rank).plan
+        target.epoch = plan.epoch
+        target.partition_offset = plan.partition_offset
+        target.partition_size = plan.partition_size
+    return wire
 
 
 def _global_step_from_wire(w: Any) -> m.SetGlobalStep:
