@@ -438,8 +438,20 @@ def _dispatch_progressive(s: State, counts: dict[int, int], flight: dict[int, in
     if sum(wants.values()) > available:
         wants = clamp_total({r: w for r, w in wants.items() if w > 0}, available) | {
             r: 0 for r, w in wants.items() if w == 0}
-    return [p for r in s.alive if wants[r.rank] > 0
-            for p in _give(s, r, wants[r.rank], now, stream=stream)]
+    if stream:
+        return [p for r in s.alive if wants[r.rank] > 0
+                for p in _give(s, r, wants[r.rank], now, stream=True)]
+    # within the current epoch: one plan at most per rank (what ``_give`` does without
+    # ``stream``, written out: a gate hands a plan to every rank of a thousand)
+    pool, batch_size = _pool(s, s.epoch), s.schedule.batch_size
+    plans: list[m.RankPlan] = []
+    for r in s.alive:
+        want = wants[r.rank]
+        a = pool.take(r.rank, want, now) if want > 0 else None
+        if a is not None:
+            r.give(a)
+            plans.append(m.RankPlan(rank=r.rank, plan=a.plan(batch_size)))
+    return plans
 
 
 def _dispatch_partitions(s: State, pool: Pool, now: float) -> list[m.RankPlan]:
