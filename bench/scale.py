@@ -108,9 +108,12 @@ class Sampler:
 
 
 def _events(path: Path) -> list[dict[str, Any]]:
+    """The decision log's complete lines (read while the coordinator writes it: a line
+    without its newline yet is still being written, and is read next time)."""
     if not path.exists():
         return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    text = path.read_text()
+    return [json.loads(x) for x in text[:text.rfind("\n") + 1].splitlines() if x.strip()]
 
 
 def _started(events: list[dict[str, Any]]) -> float | None:
