@@ -26,7 +26,7 @@ from ddpbus.codecs import messages as m
 from ddpbus.orchestrator import callbacks, recovery, rounds
 from ddpbus.orchestrator.aggregate import aggregate_epoch
 from ddpbus.orchestrator.elche import RankWindow, WindowReport, clamp_total
-from ddpbus.orchestrator.pools import Pool, equal_split, proportional_split
+from ddpbus.orchestrator.pools import Assignment, Pool, equal_split, proportional_split
 from ddpbus.orchestrator.state import Command, Phase, RankState, Record, Refuse, Send, State
 
 Out = list[Command]
@@ -373,9 +373,8 @@ def _give(s: State, r: RankState, size: int, now: float, *, stream: bool
     while given < size and epoch < schedule.epochs:
         a = _pool(s, epoch).take(r.rank, size - given, now)
         if a is not None:
-            r.give(a)
             given += a.size
-            plans.append(m.RankPlan(rank=r.rank, plan=a.plan(schedule.batch_size)))
+            plans.append(_hand_out(r, a, schedule.batch_size))
         if not stream:
             break
         epoch += 1
@@ -442,15 +441,14 @@ def _dispatch_progressive(s: State, counts: dict[int, int], flight: dict[int, in
         return [p for r in s.alive if wants[r.rank] > 0
                 for p in _give(s, r, wants[r.rank], now, stream=True)]
     # within the current epoch: one plan at most per rank (what ``_give`` does without
-    # ``stream``, written out: a gate hands a plan to every rank of a thousand)
+    # ``stream``, less its loop: a gate hands a plan to every rank of a thousand)
     pool, batch_size = _pool(s, s.epoch), s.schedule.batch_size
     plans: list[m.RankPlan] = []
     for r in s.alive:
         want = wants[r.rank]
         a = pool.take(r.rank, want, now) if want > 0 else None
         if a is not None:
-            r.give(a)
-            plans.append(m.RankPlan(rank=r.rank, plan=a.plan(batch_size)))
+            plans.append(_hand_out(r, a, batch_size))
     return plans
 
 
@@ -465,9 +463,15 @@ def _dispatch_partitions(s: State, pool: Pool, now: float) -> list[m.RankPlan]:
     for rank in ranks:
         a = pool.take(rank, sizes[rank], now)
         if a is not None:
-            s.ranks[rank].give(a)
-            plans.append(m.RankPlan(rank=rank, plan=a.plan(s.schedule.batch_size)))
+            plans.append(_hand_out(s.ranks[rank], a, s.schedule.batch_size))
     return plans
+
+
+def _hand_out(r: RankState, a: Assignment, batch_size: int) -> m.RankPlan:
+    """``a`` (just taken from its pool) is ``r``'s now: queued and in its history; the
+    plan that tells the rank."""
+    r.give(a)
+    return m.RankPlan(rank=r.rank, plan=a.plan(batch_size))
 
 
 def _lookahead(s: State, r: RankState, now: float, out: Out) -> None:
