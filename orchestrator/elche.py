@@ -243,18 +243,12 @@ class ElChe:
             return
         first = self.calibrations == 0
         self.calibrations += 1
-        timed = self._smoothed()
-        self._elect(timed)
-        self._recompute(first=first, timed=timed)
+        self._elect()
+        self._recompute(first=first)
         self._propose(report.reduce_ms)
 
-    def _smoothed(self) -> dict[int, float]:
-        """Every measured rank's smoothed ms/batch, read once for a whole recount (the
-        same values :meth:`smoothed_ms` gives one at a time)."""
-        readings = self._readings
-        return {r: sum(w) / len(w) for r in self.ranks if (w := readings.get(r))}
-
-    def _elect(self, timed: dict[int, float]) -> None:
+    def _elect(self) -> None:
+        timed = {r: ms for r in self.ranks if (ms := self.smoothed_ms(r)) is not None}
         pinned = self.anchor_rank
         if pinned is not None and pinned not in timed:
             pinned = None  # escape: the pinned anchor has no data any more
@@ -271,14 +265,12 @@ class ElChe:
         else:
             self.anchor_rank = cohort[0]
 
-    def _recompute(self, *, first: bool, timed: dict[int, float] | None = None) -> None:
-        if timed is None:
-            timed = self._smoothed()
+    def _recompute(self, *, first: bool) -> None:
         slow = None if self.anchor_rank is None else self.smoothed_ms(self.anchor_rank)
         new: dict[int, int] = {}
         for r in self.ranks:
             current = self.counts.get(r, self.anchor)
-            ms = timed.get(r)
+            ms = self.smoothed_ms(r)
             if slow is None or ms is None or abs(ms - slow) <= 1e-6:
                 target = self.anchor
             else:

@@ -26,7 +26,7 @@ from ddpbus.codecs import messages as m
 from ddpbus.orchestrator import callbacks, recovery, rounds
 from ddpbus.orchestrator.aggregate import aggregate_epoch
 from ddpbus.orchestrator.elche import RankWindow, WindowReport, clamp_total
-from ddpbus.orchestrator.pools import Assignment, Pool, equal_split, proportional_split
+from ddpbus.orchestrator.pools import Pool, equal_split, proportional_split
 from ddpbus.orchestrator.state import Command, Phase, RankState, Record, Refuse, Send, State
 
 Out = list[Command]
@@ -369,12 +369,12 @@ def _give(s: State, r: RankState, size: int, now: float, *, stream: bool
     following ones): the plans, in order (the caller decides how they travel)."""
     plans: list[m.RankPlan] = []
     given, epoch = 0, s.epoch
-    schedule = s.schedule  # (a gate gives to every rank: read once per rank, not per plan)
-    while given < size and epoch < schedule.epochs:
+    while given < size and epoch < s.schedule.epochs:
         a = _pool(s, epoch).take(r.rank, size - given, now)
         if a is not None:
+            r.give(a)
             given += a.size
-            plans.append(_hand_out(r, a, schedule.batch_size))
+            plans.append(m.RankPlan(rank=r.rank, plan=a.plan(s.schedule.batch_size)))
         if not stream:
             break
         epoch += 1
@@ -396,15 +396,12 @@ def open_window(s: State, now: float, out: Out) -> None:
     overshoot = s.schedule.overshoot(s.total_batches)
     progressive = s.schedule.effective_progressive
     plans: list[m.RankPlan] = []
-    flight = {r.rank: r.in_flight() for r in alive}  # (summed once per rank: 1,024 queues)
     if progressive and more:
-        plans = _dispatch_progressive(s, counts, flight, now)
+        plans = _dispatch_progressive(s, counts, now)
     elif more and pool.cursor == 0:
         plans = _dispatch_partitions(s, pool, now)
-    for p in plans:  # what the dispatch just handed out
-        flight[p.rank] += p.plan.partition_size // s.schedule.batch_size
     for r in alive:
-        in_flight = flight[r.rank] if not r.fresh else 0
+        in_flight = r.in_flight() if not r.fresh else 0
         r.target = min(counts[r.rank], in_flight)
         r.budget = min(in_flight, r.target + overshoot) if not progressive else \
             r.target + overshoot
@@ -427,29 +424,17 @@ def _available(s: State, *, stream: bool) -> int:
                for e in range(s.epoch, last))
 
 
-def _dispatch_progressive(s: State, counts: dict[int, int], flight: dict[int, int],
-                          now: float) -> list[m.RankPlan]:
-    """Top every alive rank up to its count (``flight``: the batches each holds now)."""
+def _dispatch_progressive(s: State, counts: dict[int, int], now: float
+                          ) -> list[m.RankPlan]:
     stream = s.schedule.policy is m.Policy.ASYNC
-    wants = {r.rank: max(0, counts[r.rank] - flight[r.rank]) if not r.fresh else 0
+    wants = {r.rank: max(0, counts[r.rank] - r.in_flight()) if not r.fresh else 0
              for r in s.alive}
     available = _available(s, stream=stream)
     if sum(wants.values()) > available:
         wants = clamp_total({r: w for r, w in wants.items() if w > 0}, available) | {
             r: 0 for r, w in wants.items() if w == 0}
-    if stream:
-        return [p for r in s.alive if wants[r.rank] > 0
-                for p in _give(s, r, wants[r.rank], now, stream=True)]
-    # within the current epoch: one plan at most per rank (what ``_give`` does without
-    # ``stream``, less its loop: a gate hands a plan to every rank of a thousand)
-    pool, batch_size = _pool(s, s.epoch), s.schedule.batch_size
-    plans: list[m.RankPlan] = []
-    for r in s.alive:
-        want = wants[r.rank]
-        a = pool.take(r.rank, want, now) if want > 0 else None
-        if a is not None:
-            plans.append(_hand_out(r, a, batch_size))
-    return plans
+    return [p for r in s.alive if wants[r.rank] > 0
+            for p in _give(s, r, wants[r.rank], now, stream=stream)]
 
 
 def _dispatch_partitions(s: State, pool: Pool, now: float) -> list[m.RankPlan]:
@@ -463,15 +448,9 @@ def _dispatch_partitions(s: State, pool: Pool, now: float) -> list[m.RankPlan]:
     for rank in ranks:
         a = pool.take(rank, sizes[rank], now)
         if a is not None:
-            plans.append(_hand_out(s.ranks[rank], a, s.schedule.batch_size))
+            s.ranks[rank].give(a)
+            plans.append(m.RankPlan(rank=rank, plan=a.plan(s.schedule.batch_size)))
     return plans
-
-
-def _hand_out(r: RankState, a: Assignment, batch_size: int) -> m.RankPlan:
-    """``a`` (just taken from its pool) is ``r``'s now: queued and in its history; the
-    plan that tells the rank."""
-    r.give(a)
-    return m.RankPlan(rank=r.rank, plan=a.plan(batch_size))
 
 
 def _lookahead(s: State, r: RankState, now: float, out: Out) -> None:
