@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from types import TracebackType
 from typing import IO, Self
 
 from ddpbus.codecs.errors import ConfigError, DdpbusError
+from ddpbus.orchestrator.children import tied_to_parent
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +154,9 @@ class EmbeddedBroker:
             cmd += ["-m", str(self.config.monitor_port or -1)]
         self._log = self.log_path.open("wb")
         log.debug("starting %s", " ".join(cmd))
-        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)  # noqa: S603
+        # SIGTERM if this process dies uncleaned: the server flushes its store and goes
+        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,  # noqa: S603
+                                        preexec_fn=tied_to_parent(signal.SIGTERM))  # noqa: PLW1509 (children.py)
         try:
             self._await_ready(run_dir)
         except BaseException:

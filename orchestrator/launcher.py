@@ -32,6 +32,7 @@ from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import ConfigError, DdpbusError
 from ddpbus.orchestrator import auth, bundles
 from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
+from ddpbus.orchestrator.children import tied_to_parent
 from ddpbus.orchestrator.commands import load_schedule, schedule_overrides
 from ddpbus.orchestrator.config import Schedule
 from ddpbus.orchestrator.progress import RunMonitor, final_table
@@ -128,8 +129,10 @@ class LocalRun:
         self._logs.append(out)
         cmd = [sys.executable, "-m", "ddpbus.orchestrator.cli", *argv]
         env = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
+        # SIGKILL if the launcher dies uncleaned, as its own cleanup would
         self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,  # noqa: S603
-                                            env=env, start_new_session=True)
+                                            env=env, start_new_session=True,
+                                            preexec_fn=tied_to_parent(signal.SIGKILL))  # noqa: PLW1509 (children.py)
 
     def _login(self, identity: str) -> list[str]:
         creds = self._credentials

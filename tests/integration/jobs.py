@@ -37,6 +37,24 @@ def wait_for(what: str, cond: Callable[[], bool], timeout: float = 90.0) -> None
         time.sleep(0.05)  # poll interval of a deadline-bound wait
 
 
+def children(pid: int) -> set[int]:
+    """The pids of ``pid``'s children (Linux ``/proc``)."""
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out |= {int(x) for x in (task / "children").read_text().split()}
+    return out
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie left to an init that
+    does not reap counts as exited)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
 def spec(name: str) -> str:
     return f"{SPECS / name}.py:spec"
 

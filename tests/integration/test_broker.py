@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from jobs import children, running, wait_for
 
 from ddpbus.orchestrator.broker import BrokerConfig, BrokerError, EmbeddedBroker
 from ddpbus.orchestrator.bus import BusUnavailable, connect
@@ -100,6 +101,27 @@ def test_cli_broker_prints_url_serves_and_stops_cleanly(tmp_path: Path, sig: int
         os.kill(proc.pid, sig)
         assert proc.wait(timeout=20) == 0
         assert (tmp_path / "st" / "jetstream").is_dir()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_cli_broker_takes_its_server_along(tmp_path: Path) -> None:
+    """SIGKILL runs no cleanup: the server gets SIGTERM from the kernel instead, and
+    stops as it would at ``broker.stop()`` (store flushed), rather than live on."""
+    proc, _ = _start_cli(tmp_path)
+    try:
+        (server,) = children(proc.pid)
+        assert running(server)
+        proc.kill()
+        proc.wait(timeout=20)
+        wait_for("the orphaned nats-server to exit", lambda: not running(server), 20)
+        assert "Server Exiting" in (tmp_path / "st" / "nats-server.log").read_text()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from jobs import children, running, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = [sys.executable, "-m", "ddpbus.orchestrator.cli", "run"]
@@ -94,6 +95,29 @@ def test_ctrl_c_stops_every_process_and_ranks_save(tmp_path: Path) -> None:
         if e["event"] == "rank-admitted":
             with pytest.raises(ProcessLookupError):
                 os.kill(e["pid"], 0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_launcher_takes_every_process_along(tmp_path: Path) -> None:
+    """SIGKILL (or the OOM killer) runs no cleanup: the coordinator and the workers (each
+    in a session of its own) and the broker must still not outlive the launcher."""
+    out_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
+    proc = subprocess.Popen([*RUN, DIGITS, "--workers", "2", "--epochs", "5000", "--out",
+                             str(out_dir), "--no-progress"], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(out_dir / "events.jsonl", '"average"', 120)
+        spawned = children(proc.pid)
+        assert len(spawned) == 4  # nats-server, the coordinator, two workers
+        proc.kill()
+        proc.wait(timeout=20)
+        wait_for("every process of the killed run to exit",
+                 lambda: not any(running(p) for p in spawned), 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
 
 
 @pytest.mark.parametrize(("args", "message"), [
