@@ -44,8 +44,8 @@ class Holder:
     revision: int
 
 
-def _value(holder: str, ttl: float, clock: Callable[[], float]) -> bytes:
-    return json.dumps({"holder": holder, "expires": clock() + ttl}).encode()
+def _value(holder: str, expires: float) -> bytes:
+    return json.dumps({"holder": holder, "expires": expires}).encode()
 
 
 async def read(kv: KeyValue) -> Holder | None:
@@ -79,6 +79,7 @@ class Lease:
         self.kv, self.holder, self.ttl, self.clock = kv, holder, ttl, clock
         self.revision = 0
         self.renewed_at = 0.0
+        self.failed_renewals = 0  # in a row (the broker away): logged at the first and the end
         self.lost: asyncio.Event = asyncio.Event()
         # the renew task and confirm() may both renew: one at a time, or the second
         # compare-and-set would fail against the first's revision
@@ -87,7 +88,10 @@ class Lease:
     async def try_take(self) -> bool:
         """Take the lease if nobody holds a live one; True when taken."""
         current = await read(self.kv)
-        value = _value(self.holder, self.ttl, self.clock)
+        # the holder counts its lease from before the write, as the stored expiry does: a
+        # slow write must not let it believe in the lease longer than a standby would
+        now = self.clock()
+        value = _value(self.holder, now + self.ttl)
         try:
             if current is None:
                 try:
@@ -97,13 +101,13 @@ class Lease:
                     entry = await self.kv.get(LEASE_KEY)
                     self.revision = await self.kv.update(LEASE_KEY, value,
                                                          last=entry.revision)
-                return True
-            if current.expires > self.clock() and current.holder != self.holder:
+            elif current.expires > now and current.holder != self.holder:
                 return False
-            self.revision = await self.kv.update(LEASE_KEY, value, last=current.revision)
+            else:
+                self.revision = await self.kv.update(LEASE_KEY, value, last=current.revision)
         except (KeyWrongLastSequenceError, KeyNotFoundError):
             return False  # somebody else won the race
-        self.renewed_at = self.clock()
+        self.renewed_at = now
         return True
 
     async def take(self, *, wait: bool, poll: float = 0.5,
@@ -148,28 +152,33 @@ class Lease:
             return await self._renew_locked()
 
     async def _renew_locked(self) -> bool:
+        now = self.clock()  # (from before the write: see try_take)
+        value = _value(self.holder, now + self.ttl)
         try:
             try:
-                self.revision = await self.kv.update(
-                    LEASE_KEY, _value(self.holder, self.ttl, self.clock), last=self.revision)
+                self.revision = await self.kv.update(LEASE_KEY, value, last=self.revision)
             except KeyWrongLastSequenceError:
                 current = await read(self.kv)
                 if current is None or current.holder != self.holder:
                     raise
                 # our own renewal, stored just before the broker went away, its ack lost
                 # (or a data loss that kept an older one of ours)
-                self.revision = await self.kv.update(
-                    LEASE_KEY, _value(self.holder, self.ttl, self.clock),
-                    last=current.revision)
+                self.revision = await self.kv.update(LEASE_KEY, value,
+                                                     last=current.revision)
         except KeyWrongLastSequenceError:
             log.error("the coordinator lease was taken over; this coordinator is "  # noqa: TRY400
                       "deposed")
             self.lost.set()
             return False
         except Exception as exc:  # the broker is away: keep trying while the TTL lasts
-            log.warning("lease renewal failed (%s); retrying", exc)
+            self.failed_renewals += 1
+            if self.failed_renewals == 1:  # (every input and tick retries: not a line each)
+                log.warning("lease renewal failed (%s); retrying", exc)
             return False
-        self.renewed_at = self.clock()
+        if self.failed_renewals:
+            log.info("lease renewed after %d failed tries", self.failed_renewals)
+            self.failed_renewals = 0
+        self.renewed_at = now
         return True
 
     async def renew(self) -> None:

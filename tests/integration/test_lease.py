@@ -91,3 +91,65 @@ async def test_a_stale_revision_of_our_own_is_adopted(kv) -> None:  # type: igno
     assert not a.lost.is_set()
     b = lease.Lease(kv, "b", ttl=5.0)
     assert not await b.try_take()  # still a's, freshly renewed
+
+
+class Flaky:
+    """The real bucket, whose writes fail while ``away`` (the broker unreachable) and
+    take ``slow`` seconds of ``clock``."""
+
+    def __init__(self, kv, clock: Clock, slow: float = 0.0) -> None:  # type: ignore[no-untyped-def]
+        self.kv, self.clock, self.slow, self.away = kv, clock, slow, False
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.kv, name)  # reads go through
+
+    async def create(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.clock.now += self.slow
+        return await self.kv.create(*args, **kwargs)
+
+    async def update(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self.away:
+            raise ConnectionError("nats: outbound buffer limit exceeded")
+        self.clock.now += self.slow
+        return await self.kv.update(*args, **kwargs)
+
+
+async def test_an_outage_is_logged_once_not_at_every_retry(
+        kv, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    clock = Clock()
+    flaky = Flaky(kv, clock)
+    a = lease.Lease(flaky, "a", ttl=5.0, clock=clock)  # type: ignore[arg-type]
+    await a.take(wait=False)
+    flaky.away = True
+    clock.now += 4.0  # every input and tick now tries to renew
+    with caplog.at_level("INFO", logger="ddpbus.orchestrator.lease"):
+        assert [await a.confirm() for _ in range(20)] == [True] * 20  # within the TTL
+        clock.now += 2.0
+        assert not await a.confirm()  # past it: cannot act
+        flaky.away = False
+        assert await a.confirm()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["lease renewal failed (nats: outbound buffer limit exceeded); retrying",
+                     "lease renewed after 21 failed tries"]
+    assert not a.lost.is_set()
+
+
+@pytest.mark.parametrize("renewed", [False, True])
+async def test_the_holder_never_outlives_the_stored_expiry(kv, renewed: bool) -> None:  # type: ignore[no-untyped-def]
+    # a write that takes 3 s (a loaded broker): the holder must count its lease from
+    # before the write, as the stored expiry does, or it acts on after a standby took over
+    clock = Clock()
+    flaky = Flaky(kv, clock, slow=3.0)
+    a = lease.Lease(flaky, "a", ttl=5.0, clock=clock)  # type: ignore[arg-type]
+    await a.take(wait=False)
+    if renewed:
+        clock.now += 4.0
+        assert await a.confirm()  # renewed, the write again 3 s long
+    expires = (await lease.read(kv)).expires  # type: ignore[union-attr]
+    flaky.away = True
+    clock.now = expires - 0.1
+    assert await a.confirm()
+    clock.now = expires + 0.1
+    assert not await a.confirm()
+    b = lease.Lease(kv, "b", ttl=5.0, clock=clock)
+    assert await b.try_take()
