@@ -3,7 +3,8 @@
 Every process is a real OS process started with the same commands a cluster would run
 (``ddpbus coordinator`` and ``ddpbus worker``), each in its own session so a terminal's
 Ctrl-C reaches only this launcher, which then stops them in order: the coordinator first
-(it tells every rank to save and exit), then whatever is left, with bounded waits. Logs go
+(it tells every rank to save and exit), then whatever is left, with bounded waits. A
+launcher killed outright takes them along (:mod:`ddpbus.orchestrator.children`). Logs go
 to ``<out>/logs``; the decision log to ``<out>/events.jsonl``; the summary to
 ``<out>/summary.json`` (and ``--summary``).
 """
