@@ -84,9 +84,10 @@ def _two_ranks_training(got: dict[str, dict[tuple[tuple[str, str], ...], float]]
 
 
 def test_metrics_during_a_run(broker: EmbeddedBroker, tmp_path: Path) -> None:
-    # epochs enough that the run outlasts the scrapes on a loaded 2-core machine (CI once
-    # saw an 8-epoch run end, and its endpoint close, before rank 1's fenced count arrived)
-    job, _ = chaos_job(broker.url, tmp_path, "scraped", epochs=20, slowdown=3,
+    # a run that outlasts the scrapes (rank 1's fenced count comes with a heartbeat): CI saw
+    # an 8-epoch run at slowdown 3 end before it on a loaded machine, and a 20-epoch one
+    # end in 1.1 s on an idle one; slowed 20x (~0.8 ms batches sleep to ~16) it lasts ~7 s
+    job, _ = chaos_job(broker.url, tmp_path, "scraped", epochs=20, slowdown=20,
                        coordinator_args=["--metrics-port", "0",
                                          "--report", str(tmp_path / "report"),
                                          "--compact-every", "0.5", "--keep-history", "0"])
