@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -80,19 +82,28 @@ async def test_connect_to_nothing_fails_within_its_deadline() -> None:
         await connect("nats://127.0.0.1:1", name="t", deadline=timedelta(seconds=0.5))
 
 
-def _start_cli(tmp_path: Path) -> tuple[subprocess.Popen[str], str]:
+@contextlib.contextmanager
+def _cli_broker(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``ddpbus broker`` on a free port, its URL read back; killed at the end if alive."""
     proc = subprocess.Popen([*CLI, "broker", "--port", "0", "--store", str(tmp_path / "st")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    url = proc.stdout.readline().strip()
-    assert url.startswith("nats://127.0.0.1:"), proc.stderr.read() if proc.stderr else ""
-    return proc, url
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().strip()
+        assert url.startswith("nats://127.0.0.1:"), proc.stderr.read() if proc.stderr else ""
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_cli_broker_prints_url_serves_and_stops_cleanly(tmp_path: Path, sig: int) -> None:
-    proc, url = _start_cli(tmp_path)
-    try:
+    with _cli_broker(tmp_path) as (proc, url):
         async def ping() -> None:
             nc = await connect(url, name="t")
             await nc.jetstream().account_info()
@@ -101,34 +112,19 @@ def test_cli_broker_prints_url_serves_and_stops_cleanly(tmp_path: Path, sig: int
         os.kill(proc.pid, sig)
         assert proc.wait(timeout=20) == 0
         assert (tmp_path / "st" / "jetstream").is_dir()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_killed_cli_broker_takes_its_server_along(tmp_path: Path) -> None:
     """SIGKILL runs no cleanup: the server gets SIGTERM from the kernel instead, and
     stops as it would at ``broker.stop()`` (store flushed), rather than live on."""
-    proc, _ = _start_cli(tmp_path)
-    try:
+    with _cli_broker(tmp_path) as (proc, _):
         (server,) = children(proc.pid)
         assert running(server)
         proc.kill()
         proc.wait(timeout=20)
         wait_for("the orphaned nats-server to exit", lambda: not running(server), 20)
         assert "Server Exiting" in (tmp_path / "st" / "nats-server.log").read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
 
 
 @pytest.mark.parametrize(("argv", "env", "text"), [
