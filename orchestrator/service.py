@@ -142,6 +142,7 @@ class Coordinator:
         self.resumed_from: int | None = None
         self._lock = asyncio.Lock()
         self.rejected: Counter[str] = Counter()
+        self._refused: Counter[str] = Counter()  # the core's refusals this process logged
         # what each rank's current incarnation refused, by reason (from its heartbeats)
         self.rank_rejected: dict[int, dict[str, int]] = {}
         self.finish: asyncio.Future[Finish] | None = None
@@ -658,7 +659,13 @@ class Coordinator:
             elif isinstance(c, Record):
                 self._record(c)
             elif isinstance(c, Refuse):
-                log.warning("refused (%s): %s", c.reason, c.detail)
+                self._refused[c.reason] += 1
+                if self._refused[c.reason] == 1:  # a thousand ranks may earn the same one
+                    log.warning("refused (%s): %s; further %s refusals are logged at debug "
+                                "level (all counted: metrics, summary)", c.reason, c.detail,
+                                c.reason)
+                else:
+                    log.debug("refused (%s): %s", c.reason, c.detail)
             elif isinstance(c, Finish) and self.finish is not None and not self.finish.done():
                 self.finish.set_result(c)
             elif isinstance(c, Reduce):

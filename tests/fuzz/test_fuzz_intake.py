@@ -300,3 +300,23 @@ def test_a_forged_message_changes_nothing(phase: str, forgery: str) -> None:
     assert set(intake.rejected) <= {expected}
     assert intake.rejected.total() == sent
     assert sent or (forgery == "old-generation" and not admitted)
+
+
+def test_a_refusal_is_warned_once_per_reason_and_every_one_counted(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # after the run, every input is refused (run-over): at a thousand ranks that is a
+    # thousand lines a second unless each reason is warned about once
+    intake = Intake(fuzz_states.fresh("done"), now=1000.0)
+    before = Counter(intake.state.refusals)
+    rng = random.Random("refusals")
+    with caplog.at_level(logging.DEBUG, logger="ddpbus.orchestrator.service"):
+        for _ in range(30):
+            asyncio.run(intake.deliver(realistic(rng, intake.state)))
+    made = Counter(intake.state.refusals) - before
+    assert made["run-over"] >= 5
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records
+             if r.getMessage().startswith("refused (")]
+    warned = Counter(msg.partition(")")[0][len("refused ("):] for level, msg in lines
+                     if level == logging.WARNING)
+    assert warned == Counter(dict.fromkeys(made, 1))
+    assert sum(level == logging.DEBUG for level, _ in lines) == made.total() - len(made)
