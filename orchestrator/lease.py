@@ -79,7 +79,7 @@ class Lease:
         self.kv, self.holder, self.ttl, self.clock = kv, holder, ttl, clock
         self.revision = 0
         self.renewed_at = 0.0
-        self.failed_renewals = 0  # in a row (the broker away): logged at the first and the end
+        self._failed_renewals = 0  # in a row (the broker away): logged at the first, the end
         self.lost: asyncio.Event = asyncio.Event()
         # the renew task and confirm() may both renew: one at a time, or the second
         # compare-and-set would fail against the first's revision
@@ -171,13 +171,13 @@ class Lease:
             self.lost.set()
             return False
         except Exception as exc:  # the broker is away: keep trying while the TTL lasts
-            self.failed_renewals += 1
-            if self.failed_renewals == 1:  # (every input and tick retries: not a line each)
+            self._failed_renewals += 1
+            if self._failed_renewals == 1:  # (every input and tick retries: not a line each)
                 log.warning("lease renewal failed (%s); retrying", exc)
             return False
-        if self.failed_renewals:
-            log.info("lease renewed after %d failed tries", self.failed_renewals)
-            self.failed_renewals = 0
+        if self._failed_renewals:
+            log.info("lease renewed after %d failed tries", self._failed_renewals)
+            self._failed_renewals = 0
         self.renewed_at = now
         return True
 

@@ -142,7 +142,7 @@ class Coordinator:
         self.resumed_from: int | None = None
         self._lock = asyncio.Lock()
         self.rejected: Counter[str] = Counter()
-        self._refused: Counter[str] = Counter()  # the core's refusals this process logged
+        self._warned: set[str] = set()  # refusal reasons this process warned about
         # what each rank's current incarnation refused, by reason (from its heartbeats)
         self.rank_rejected: dict[int, dict[str, int]] = {}
         self.finish: asyncio.Future[Finish] | None = None
@@ -659,8 +659,8 @@ class Coordinator:
             elif isinstance(c, Record):
                 self._record(c)
             elif isinstance(c, Refuse):
-                self._refused[c.reason] += 1
-                if self._refused[c.reason] == 1:  # a thousand ranks may earn the same one
+                if c.reason not in self._warned:  # a thousand ranks may earn the same one
+                    self._warned.add(c.reason)
                     log.warning("refused (%s): %s; further %s refusals are logged at debug "
                                 "level (all counted: metrics, summary)", c.reason, c.detail,
                                 c.reason)

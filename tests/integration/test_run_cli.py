@@ -7,8 +7,8 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from jobs import children, running, wait_for
@@ -20,10 +20,29 @@ DIGITS = str(ROOT / "examples" / "digits.py") + ":spec"
 pytestmark = pytest.mark.timeout(240)
 
 
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
+
+
 def _run(args: list[str], tmp: Path, timeout: float = 200) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
     return subprocess.run([*RUN, *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=tmp, env=env, check=False)
+                          cwd=tmp, env=_env(), check=False)
+
+
+def _endless_run(tmp: Path, out_dir: Path, **streams: Any) -> subprocess.Popen[str]:
+    """A digits run of 5,000 epochs (stopped by the test), once it has averaged."""
+    proc = subprocess.Popen([*RUN, DIGITS, "--workers", "2", "--epochs", "5000", "--out",
+                             str(out_dir), "--no-progress"], cwd=tmp, env=_env(), text=True,
+                            **streams)
+    events = out_dir / "events.jsonl"
+    try:
+        wait_for("the run's first average", lambda: events.exists()
+                 and '"average"' in events.read_text(), 120)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
 
 
 def test_demo_trains_digits_to_95_percent_and_writes_the_summary(tmp_path: Path) -> None:
@@ -65,23 +84,10 @@ def test_slowdown_flag_shifts_batches_to_the_fast_rank(tmp_path: Path) -> None:
     assert share["0"] > 0.6 > share["1"]
 
 
-def _wait_for(path: Path, needle: str, within: float) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if path.exists() and needle in path.read_text():
-            return
-        time.sleep(0.1)  # poll interval of a deadline-bound wait
-    raise AssertionError(f"{needle!r} never appeared in {path}")
-
-
 def test_ctrl_c_stops_every_process_and_ranks_save(tmp_path: Path) -> None:
     out_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
-    proc = subprocess.Popen([*RUN, DIGITS, "--workers", "2", "--epochs", "5000", "--out",
-                             str(out_dir), "--no-progress"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     events = out_dir / "events.jsonl"
-    _wait_for(events, '"average"', 120)
+    proc = _endless_run(tmp_path, out_dir, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=90)
     assert proc.returncode == 130, err[-3000:]
@@ -101,13 +107,9 @@ def test_ctrl_c_stops_every_process_and_ranks_save(tmp_path: Path) -> None:
 def test_a_killed_launcher_takes_every_process_along(tmp_path: Path) -> None:
     """SIGKILL (or the OOM killer) runs no cleanup: the coordinator and the workers (each
     in a session of its own) and the broker must still not outlive the launcher."""
-    out_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
-    proc = subprocess.Popen([*RUN, DIGITS, "--workers", "2", "--epochs", "5000", "--out",
-                             str(out_dir), "--no-progress"], cwd=tmp_path, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = _endless_run(tmp_path, tmp_path / "run", stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL)
     try:
-        _wait_for(out_dir / "events.jsonl", '"average"', 120)
         spawned = children(proc.pid)
         assert len(spawned) == 4  # nats-server, the coordinator, two workers
         proc.kill()
