@@ -51,6 +51,11 @@ ENV_VARS: dict[str, dict[str, str]] = {
         "world_size": "DDPBUS_WORLD_SIZE",
         **{f"nats_{field}": var for field, var in NATS_AUTH_ENV.items()},
     },
+    "delete-job": {
+        "job": "DDPBUS_JOB",
+        "nats": "DDPBUS_NATS_URL",
+        **{f"nats_{field}": var for field, var in NATS_AUTH_ENV.items()},
+    },
     **commands.ENV_VARS,
 }
 GLOBAL_ENV = {"DDPBUS_LOG_LEVEL"}
@@ -129,6 +134,21 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--world-size", type=_positive, help="number of ranks "
                       "(env DDPBUS_WORLD_SIZE)")
     commands.nats_auth_flags(init)
+
+    delete = sub.add_parser(
+        "delete-job", help="delete a finished job's stream, KV bucket and Object Stores",
+        description="Delete everything a job holds on the broker: its stream, KV bucket and "
+        "the Object Stores of its rounds and resume bundles (status, replay, report and "
+        "--resume JOB read them: delete a job once nothing needs its record). Refuses a "
+        "running job (its lease held, or a beat heard within 2.5 s) and, without --force, "
+        "one that has not finished (no run summary). Files under a --bundle-dir stay.")
+    delete.add_argument("--job", type=_job, help="job name (env DDPBUS_JOB)")
+    delete.add_argument("--nats", help="NATS URL (env DDPBUS_NATS_URL)")
+    delete.add_argument("--force", action="store_true", help="delete a job that has not "
+                        "finished too (never a running one)")
+    delete.add_argument("--dry-run", action="store_true", help="say what would be deleted, "
+                        "delete nothing")
+    commands.nats_auth_flags(delete)
     commands.add_parsers(sub)
     return parser
 
@@ -251,6 +271,20 @@ def run_init_job(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     return 0
 
 
+def run_delete_job(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from ddpbus.orchestrator import teardown
+
+    missing = [flag for flag, value in (("--job", args.job), ("--nats", args.nats))
+               if value is None]
+    if missing:
+        parser.error(f"delete-job needs {', '.join(missing)} (or their DDPBUS_* variables)")
+    # the coordinator's rights cover its job's streams, and only those
+    lines = asyncio.run(teardown.delete(commands.nats_access(args, COORDINATOR), args.job,
+                                        force=args.force, dry_run=args.dry_run))
+    sys.stdout.write("".join(f"{line}\n" for line in lines))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     parser = build_parser()
     args = merge_env(parser, parser.parse_args(argv), os.environ if environ is None else environ)
@@ -268,6 +302,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
                    "simulate": commands.run_simulate}
         if args.command in runners:
             return runners[args.command](args)
+        if args.command == "delete-job":
+            return run_delete_job(parser, args)
         return run_init_job(parser, args)
     except ConfigError as exc:
         parser.error(str(exc))

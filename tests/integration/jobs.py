@@ -55,6 +55,13 @@ def running(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] != "Z"
 
 
+def delete_job(url: str, job: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``ddpbus delete-job`` as a user runs it (no ``DDPBUS_*`` from the test's env)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
+    return subprocess.run([*CLI, "delete-job", "--job", job, "--nats", url, *args],
+                          capture_output=True, text=True, timeout=60, env=env, check=False)
+
+
 def spec(name: str) -> str:
     return f"{SPECS / name}.py:spec"
 

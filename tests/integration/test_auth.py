@@ -19,10 +19,11 @@ from pathlib import Path
 import nats
 import nats.errors
 import pytest
+from jobs import delete_job
 from nats.aio.client import Client
 
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator import auth
+from ddpbus.orchestrator import auth, teardown
 from ddpbus.orchestrator.bus import BusUnavailable
 from ddpbus.orchestrator.provision import ensure_job
 
@@ -302,3 +303,35 @@ def test_tls_admits_the_client_that_trusts_the_ca(tmp_path: Path) -> None:
             assert time.monotonic() - started < 10
 
         asyncio.run(main())
+
+
+def test_the_coordinators_identity_deletes_its_job(secured: tuple[str, Path]) -> None:
+    """`ddpbus delete-job` with the coordinator's seed, as an operator runs it on a secured
+    broker: its rights cover the job's four streams (stream, KV, two Object Stores)."""
+    url, creds = secured
+
+    mine = [name for _, name in teardown.owned(JOB)]
+
+    async def provision() -> None:
+        coordinator = await login(url, creds, "coordinator")
+        try:
+            js = coordinator.nc.jetstream()
+            await ensure_job(js, JOB, 2)
+            for name in mine:
+                await js.stream_info(name)  # each is there (listing streams is not allowed)
+        finally:
+            await coordinator.nc.close()
+
+    asyncio.run(provision())
+    # a rank's identity may not: the server drops the requests, nothing is deleted
+    rank = delete_job(url, JOB, "--force", "--nats-nkey", str(creds / "rank-0.nk"))
+    assert rank.returncode == 1
+    assert "nothing was deleted); on a secured broker delete-job needs the job " \
+        "coordinator's identity" in rank.stderr
+    asyncio.run(provision())  # every stream is still there
+    out = delete_job(url, JOB, "--force", "--nats-nkey", str(creds / "coordinator.nk"))
+    assert out.returncode == 0, out.stderr
+    assert [line.split(" (")[0].split()[-1] for line in out.stdout.splitlines()] == mine
+    after = delete_job(url, JOB, "--nats-nkey", str(creds / "coordinator.nk"))
+    assert after.returncode == 1
+    assert f"the broker holds no job {JOB!r}" in after.stderr

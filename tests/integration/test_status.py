@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import KEY, Job, chaos_job, spec, start_job
+from jobs import KEY, Job, chaos_job, delete_job, spec, start_job
 
 from ddpbus.codecs import subjects as sj
 from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
@@ -113,6 +113,11 @@ def test_status_of_a_live_run_and_of_its_end(broker: EmbeddedBroker, tmp_path: P
         for needle in ("job watched: training", "global step", "El Che: anchor",
                        "last checkpoint: bundle v", "lease: "):
             assert needle in text.stdout, text.stdout
+        # the running job cannot be deleted, forced or not, and its record stays
+        refused = delete_job(broker.url, "watched", "--force")
+        assert refused.returncode == 1
+        assert "job 'watched' is running: coordinator " in refused.stderr
+        assert "nothing was deleted" in refused.stderr
         job.wait()
     finally:
         job.kill()
