@@ -29,12 +29,17 @@ class RankSum:
     compute_only_ms: float = 0.0
     data_starve_ms: float = 0.0
     scalars: dict[str, list[float]] = field(default_factory=dict)  # name -> [sum, count]
+    # batches of chunks whose loss was not finite (a diverged rank): out of the loss's
+    # numerator and denominator both, so they neither dilute the mean nor look perfect
+    lossless_batches: int = 0
 
     def add(self, msg: m.MetricsMsg) -> None:
         self.batches += msg.batches_processed
         self.samples += msg.samples_processed
         if math.isfinite(msg.avg_loss):
             self.loss_sum += msg.avg_loss * msg.batches_processed
+        else:
+            self.lossless_batches += msg.batches_processed
         self.time_ms += msg.epoch_ms
         self.share_complete_ms += msg.share_complete_ms
         self.compute_only_ms += msg.compute_only_ms
@@ -44,13 +49,22 @@ class RankSum:
             acc[0] += s.sum
             acc[1] += s.count
 
+    @property
+    def loss_batches(self) -> int:
+        """The batches the loss sum is over."""
+        return self.batches - self.lossless_batches
+
+    def loss(self) -> float:
+        """The batch-weighted mean loss; NaN when no chunk had a finite one."""
+        return self.loss_sum / self.loss_batches if self.loss_batches > 0 else math.nan
+
     def scalar_means(self) -> dict[str, float]:
         return {k: v[0] / v[1] for k, v in self.scalars.items() if v[1] > 0}
 
     def copy(self) -> RankSum:
         return RankSum(self.batches, self.samples, self.loss_sum, self.time_ms,
                        self.share_complete_ms, self.compute_only_ms, self.data_starve_ms,
-                       {k: list(v) for k, v in self.scalars.items()})
+                       {k: list(v) for k, v in self.scalars.items()}, self.lossless_batches)
 
 
 def aggregate_epoch(epoch: int, chunks: Mapping[int, Sequence[m.MetricsMsg]], world_size: int,
@@ -66,6 +80,7 @@ def aggregate_epoch(epoch: int, chunks: Mapping[int, Sequence[m.MetricsMsg]], wo
         for msg in msgs:
             sums[rank].add(msg)
     total_batches = sum(s.batches for s in sums)
+    loss_batches = sum(s.loss_batches for s in sums)
     per_rank_means = [s.scalar_means() for s in sums]
     scalars: dict[str, float] = {}
     for name in sorted({k for means in per_rank_means for k in means}):
@@ -78,7 +93,7 @@ def aggregate_epoch(epoch: int, chunks: Mapping[int, Sequence[m.MetricsMsg]], wo
         (s.time_ms for s in sums), default=0.0)
     return m.EpochMetrics(
         epoch=epoch,
-        avg_loss=(sum(s.loss_sum for s in sums) / total_batches) if total_batches else math.nan,
+        avg_loss=(sum(s.loss_sum for s in sums) / loss_batches) if loss_batches else math.nan,
         epoch_ms=epoch_ms,
         scalars=scalars,
         per_rank=tuple(per_rank_means),
@@ -90,6 +105,6 @@ def aggregate_epoch(epoch: int, chunks: Mapping[int, Sequence[m.MetricsMsg]], wo
         per_rank_compute_only_ms=tuple(s.compute_only_ms for s in sums),
         per_rank_data_starve_ms=tuple(s.data_starve_ms for s in sums),
         device_indices=tuple(device_indices),
-        per_rank_loss=tuple(s.loss_sum / s.batches if s.batches else math.nan for s in sums),
+        per_rank_loss=tuple(s.loss() for s in sums),
         per_rank_samples=tuple(s.samples for s in sums),
     )

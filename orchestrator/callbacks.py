@@ -248,6 +248,10 @@ def enter_finishing(s: State, now: float, out: Out) -> None:
     if s.phase is Phase.TRAINING:
         s.phase = Phase.FINISHING
         out.append(Record("finishing", {"global_step": s.global_step, "rounds": s.rounds}))
+        # a checkpoint that failed while training waits for an average to move on, and
+        # the run may finish without another one (under async, when nobody moved since
+        # the last): no average comes any more, the models agree, so it moves on now
+        retry_checkpoints(s, out)
     maybe_finish(s, now, out)
 
 

@@ -49,7 +49,7 @@ class Schedule:
     max_overshoot: int | None = None  # async lookahead per window; None: derived
     # divergence guard (C.4)
     divergence_guard: bool = True
-    divergence_threshold: float = 0.05
+    divergence_threshold: float | None = None  # None: 0.3 under EASGD, else 0.05
     # averaging (C.3) and LR (C.11)
     gamma: float = 1.0
     lr_scale_ratio: float = 1.0
@@ -106,6 +106,15 @@ class Schedule:
         if self.easgd_alpha is not None:
             return self.easgd_alpha
         return 0.5 if self.policy is Policy.ASYNC and self.backend is Backend.BROKER else 1.0
+
+    @property
+    def effective_divergence_threshold(self) -> float:
+        """The guard's threshold (reference C.4, H.2): 0.05 where an average overwrites
+        every replica, 0.3 where EASGD blends (alpha < 1: replicas stay further apart by
+        design, and 0.05 would veto growth for good)."""
+        if self.divergence_threshold is not None:
+            return self.divergence_threshold
+        return 0.3 if self.effective_easgd_alpha < 1 else 0.05
 
     def overshoot(self, epoch_batches: int) -> int:
         """Async lookahead per window (C.5): ``clamp(batches / 100, 2, 5)`` unless set."""
@@ -235,7 +244,7 @@ _PARSERS: Final[dict[str, Callable[[Any], Any]]] = {
     "relax_up": _optional(_bool),
     "max_overshoot": _optional(_int),
     "divergence_guard": _bool,
-    "divergence_threshold": _float,
+    "divergence_threshold": _optional(_float),
     "gamma": _float,
     "lr_scale_ratio": _float,
     "easgd_alpha": _optional(_float),
@@ -274,7 +283,7 @@ def _check(s: Schedule) -> None:
         (s.max_overshoot is None or s.max_overshoot >= 0, "max_overshoot must be >= 0"),
         (s.max_overshoot is None or s.policy is Policy.ASYNC,
          "max_overshoot only applies to policy async (barrier-paced policies never overshoot)"),
-        (s.divergence_threshold > 0, "divergence_threshold must be > 0"),
+        (s.effective_divergence_threshold > 0, "divergence_threshold must be > 0"),
         (-4.0 <= s.gamma <= 4.0, "gamma must be in [-4, 4] (1 = work weighted, 0 = equal)"),
         (s.lr_scale_ratio >= 0, "lr_scale_ratio must be >= 0 (0 disables LR scaling)"),
         (s.easgd_alpha is None or 0 < s.easgd_alpha <= 1, "easgd_alpha must be in (0, 1]"),
@@ -331,7 +340,10 @@ def schedule_from(*layers: Mapping[str, Any]) -> Schedule:
                 raise ConfigError(f"knob {name}={raw!r}: {exc}") from None
     schedule = Schedule(**values)
     _check(schedule)
-    return schedule
+    # resolved once here, from the policy and backend it depends on (a resume bundle and
+    # the run summary then name the number the guard used)
+    return dataclasses.replace(schedule,
+                               divergence_threshold=schedule.effective_divergence_threshold)
 
 
 def parse_knob_assignments(items: list[str]) -> dict[str, str]:
@@ -357,6 +369,8 @@ def describe(schedule: Schedule) -> dict[str, Any]:
             value = value.value
         elif f.name == "easgd_alpha":
             value = schedule.effective_easgd_alpha
+        elif f.name == "divergence_threshold":
+            value = schedule.effective_divergence_threshold
         elif value is None and f.name.endswith("_timeout"):
             value = None
         elif isinstance(value, timedelta):

@@ -45,7 +45,7 @@ def initial_state(config: CoreConfig, now: float) -> State:
                   min_anchor=s.effective_min_anchor, max_anchor=s.max_anchor,
                   overhead_target=s.overhead_target, max_batch_diff=s.max_batch_diff,
                   growth=not s.is_sync, relax_up=s.effective_relax_up)
-    guard = TrendGuard(threshold=s.divergence_threshold, enabled=s.divergence_guard,
+    guard = TrendGuard(threshold=s.effective_divergence_threshold, enabled=s.divergence_guard,
                        sync=s.is_sync)
     state = State(config=config, ranks=[RankState(rank=r) for r in range(config.world_size)],
                   elche=elche, guard=guard, created_at=now,

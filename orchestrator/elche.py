@@ -333,7 +333,9 @@ class ElChe:
             changed = False
             if proposal is not None:
                 self.anchor, changed = proposal, True
-            if self.relax_up and self._relax_allowed():
+            # relax-up is growth too: never under sync, nor while a veto latches it off
+            if (self.relax_up and self.growth and not self.growth_latched
+                    and self._relax_allowed()):
                 self.anchor += 1
                 changed = True
             if changed:

@@ -21,7 +21,8 @@ A death (reference D.2, D.3), processed exactly once per incarnation:
 
 A rank restarted with a new generation is admitted back (grow-back) as a *fresh* member:
 it gets no work until an average has handed it the consensus parameters (it joins the next
-round with mass 0, which receives the consensus), then it is scheduled like any rank. A
+round with mass 0, which receives the consensus), then it is scheduled like any rank; if
+every holder of the consensus leaves first, the fresh ranks are taken as they are. A
 Hello from a new incarnation of a rank still believed alive declares the old one dead first.
 """
 
@@ -77,6 +78,7 @@ def lose(s: State, r: RankState, now: float, out: Out) -> None:
         code, text = reason
         membership.end_run(s, code, f"rank {r.rank} lost: {text}", now, out)
         return
+    _adopt_fresh(s, r, out)
     _fail_over_roles(s, r, out)
     if s.phase is not Phase.FORMING:
         s.orphans.append(r)
@@ -86,6 +88,26 @@ def lose(s: State, r: RankState, now: float, out: Out) -> None:
         rounds.maybe_reduce(s, now, out)  # a snapshot nobody will send is not waited for
     # otherwise the survivors are inside (or about to fail) the pending collective: the
     # dead rank's share of it is known, and the communicator rebuilt, once they answer
+
+
+def _adopt_fresh(s: State, gone: RankState, out: Out) -> None:
+    """The last rank holding the consensus left while every survivor is still *fresh*
+    (rejoined, waiting for an average to hand it the consensus). Nobody can hand it over
+    any more, and a fresh rank gets neither target nor budget, so no average would ever
+    come: the gate would wait forever. So the survivors are taken as they are, the
+    parameters they loaded on restart (the run's latest bundle), which is what on_rejoin
+    decides for a rank that finds no holder alive: they become ordinary members, heirs
+    of the lost work (reassigned below, so every epoch is still tiled exactly once) and
+    scheduled like any rank. What this cannot give back is what the holders' later
+    averages added after that bundle: the ledger keeps those batches sealed, exactly as
+    when a rank rejoins with no holder alive."""
+    alive = s.alive
+    if not alive or any(not x.fresh for x in alive):
+        return
+    for x in alive:
+        x.fresh = False
+    out.append(Record("fresh-adopted", {"rank": gone.rank,
+                                        "ranks": [x.rank for x in alive]}))
 
 
 def _unrecoverable(s: State) -> tuple[m.SaveReason, str] | None:
@@ -185,7 +207,9 @@ def _reassign(s: State, dead: RankState, lost: list[tuple[int, int, int]], out: 
                                               partition_size=n * batch), rank=rank))
             at += n
         total += size
-        gaps = pool.coverage_gaps()
+    # (once every range is placed: an epoch's later lost range is a gap until its turn)
+    for epoch in sorted({epoch for epoch, _, _ in lost}):
+        gaps = s.pools[epoch].coverage_gaps()
         if gaps:  # pragma: no cover - would be a bookkeeping bug
             out.append(Record("coverage-violation", {"epoch": epoch, "gaps": gaps}))
     if lost:

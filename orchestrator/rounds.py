@@ -171,13 +171,20 @@ def fold_plans(s: State, plans: list[m.RankPlan]) -> Out:
 
 def maybe_throttle(s: State, out: Out) -> None:
     """C.6: with ``max_batch_diff = M`` and every rank alive, a rank more than M steps ahead
-    of the slowest in this window waits for the next average (told once per window)."""
+    of the slowest in this window waits for the next average (told once per window).
+    Only ranks still training count: one with nothing in flight (its share of the epoch
+    done: it waits for the gate anyway) or a fresh one (no work until it holds the
+    consensus) stays at its steps for good, and measuring against it would throttle
+    every rank that trains, one average per M + 1 steps, to the end of the epoch."""
     limit = s.schedule.max_batch_diff
     alive = s.alive
-    if limit is None or s.schedule.is_sync or len(alive) != len(s.ranks) or len(alive) < 2:
+    if limit is None or s.schedule.is_sync or len(alive) != len(s.ranks):
         return
-    low = min(r.steps for r in alive)
-    for r in alive:
+    training = [r for r in alive if not r.fresh and r.in_flight() > 0]
+    if len(training) < 2:
+        return
+    low = min(r.steps for r in training)
+    for r in training:
         if not r.throttled and r.steps > low + limit:
             r.throttled = True
             out.append(Send(m.Throttle(), rank=r.rank))

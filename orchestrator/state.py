@@ -223,6 +223,10 @@ class RankState:
     delivered_ms: float = 0.0
     delivered_batches: int = 0
     fill_ms: float | None = None
+    # the open window's reports while the last average is not acknowledged: (the local
+    # step reported, batch_ms, data_ms). The ack says which of them were trained before
+    # the collective (carried back to it), and the window's timing is rebuilt without them
+    unacked_reports: list[tuple[int, float, float]] = field(default_factory=list)
     target: int = 0  # steps that satisfy the gate this window
     budget: int = 0  # steps the rank may take this window
     # the last average

@@ -56,17 +56,24 @@ def on_batch(s: State, r: RankState, msg: m.Batch, now: float, out: Out) -> None
     _credit(s, r, delta, now)
     if msg.batch_loss is not None:
         r.last_loss = msg.batch_loss
-    r.compute_ms += msg.batch_ms
-    if r.fill_ms is None:  # the window's first batch: its excess is the fill cost
-        r.fill_ms = msg.batch_ms + msg.data_ms
-    else:
-        r.delivered_ms += msg.batch_ms + msg.data_ms
-        r.delivered_batches += 1
+    _time(r, msg.batch_ms, msg.data_ms)
+    if not r.acked:  # it may yet turn out to belong to the average pending (on_sync_ack)
+        r.unacked_reports.append((r.step, msg.batch_ms, msg.data_ms))
     if r.steps > r.budget:
         out.append(Record("budget-exceeded", {"rank": r.rank, "steps": r.steps,
                                               "budget": r.budget}))
     if s.broker:
         rounds.maybe_throttle(s, out)
+
+
+def _time(r: RankState, batch_ms: float, data_ms: float) -> None:
+    """Book one report's timing in the open window (El Che's two scales, C.1.2)."""
+    r.compute_ms += batch_ms
+    if r.fill_ms is None:  # the window's first batch: its excess is the fill cost
+        r.fill_ms = batch_ms + data_ms
+    else:
+        r.delivered_ms += batch_ms + data_ms
+        r.delivered_batches += 1
 
 
 def on_reports(s: State, r: RankState, msg: m.Batch | m.Reports, now: float, out: Out
@@ -252,6 +259,7 @@ def sync(s: State, now: float, out: Out) -> None:
     for r in alive:
         r.acked, r.sync_step, r.window_start, r.throttled = False, r.step, r.step, False
         r.steps, r.compute_ms, r.delivered_ms, r.delivered_batches, r.fill_ms = 0, 0., 0., 0, None
+        r.unacked_reports.clear()
     out.append(Record("average", {"round": s.rounds, "global_step": s.global_step,
                                   "steps": steps, "anchor": s.elche.anchor,
                                   "counts": dict(s.elche.counts),
@@ -289,6 +297,15 @@ def on_sync_ack(s: State, r: RankState, msg: m.SyncAck, now: float, out: Out) ->
         r.steps = max(0, r.step - r.window_start)
         r.target = min(r.target, r.steps + r.in_flight())
         s.global_step += carried
+        # and their timing leaves the window with them: it is rebuilt from the reports
+        # after the collective (El Che read the closed window at SyncNow; left here, the
+        # carried batches would put an ordinary batch in the fill slot and skew the
+        # next reading)
+        r.compute_ms, r.delivered_ms, r.delivered_batches, r.fill_ms = 0., 0., 0, None
+        for step, batch_ms, data_ms in r.unacked_reports:
+            if step > msg.step_count:
+                _time(r, batch_ms, data_ms)
+    r.unacked_reports.clear()
     if not msg.failed:
         r.seal(msg.step_count)
     settle(s, now, out)

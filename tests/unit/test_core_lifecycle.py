@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-from core_harness import Core, formed, records, refusals, sends
+from core_harness import UID, Core, formed, records, refusals, sends
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator.state import Command, Finish, Phase, Stop, Tick, Timing
+from ddpbus.orchestrator.core import initial_state
+from ddpbus.orchestrator.state import (
+    Command,
+    CoreConfig,
+    Finish,
+    Phase,
+    Stop,
+    Tick,
+    Timing,
+)
 
 # ------------------------------------------------------------------- liveness
 
@@ -114,6 +123,40 @@ def test_ticks_and_last_heartbeats_after_done_are_not_refusals() -> None:
     for event in (Tick(), Timing(m.Heartbeat(rank=0, step_count=0))):
         assert core.feed(event) == []
     assert dict(core.state.refusals) == before
+
+
+def test_a_checkpoint_failed_in_the_last_window_moves_on_when_the_run_finishes() -> None:
+    core = Core(policy="async", progressive=False, epochs=2, checkpoint_every=1)
+    core.state = initial_state(CoreConfig(schedule=core.state.config.schedule, world_size=2,
+                                          has_checkpoint_fn=True), 0.0)
+    for rank in (0, 1):
+        core.join(rank, dataset=24 * 8)  # 12 batches per rank and epoch
+    core.feed(Timing(m.NewNcclIdGenerated(rank=0, uid_bytes=UID)))
+    s = core.state
+    while not s.pools[0].boundary_done:  # epoch 0; its boundary asks rank 0 for v1
+        for r in s.ranks:
+            core.train(r.rank, r.target - r.steps)
+        core.ack(0)
+        core.ack(1)
+    assert s.epoch == 1
+    for r in s.ranks:  # epoch 1's gate: the last average of the run
+        core.train(r.rank, r.target)
+    assert s.rounds == 3
+    core.feed(Timing(m.CheckpointResult(rank=0, version=1, elapsed_ms=5.0,
+                                        error="disk full")))
+    # both train their last batch before the SyncNow reaches them: it is in that
+    # average, so nobody moves after it and the run finishes without another one
+    core.train(0, 1)
+    core.train(1, 1)
+    core.feed(Timing(m.SyncAck(rank=0, step_count=core.steps[0], divergence=0.01)))
+    out = core.feed(Timing(m.SyncAck(rank=1, step_count=core.steps[1], divergence=0.01)))
+    assert s.phase is Phase.FINISHING
+    assert s.rounds == 3
+    assert sorted((c.msg.version, c.rank) for c in sends(out, m.Checkpoint)) == [
+        (1, 1), (2, 0)]  # v1 moved to the rank that has not tried it
+    core.feed(Timing(m.CheckpointResult(rank=0, version=2, elapsed_ms=5.0)))
+    out = core.feed(Timing(m.CheckpointResult(rank=1, version=1, elapsed_ms=5.0)))
+    assert sends(out, m.Shutdown)
 
 
 # -------------------------------------------------------------- determinism

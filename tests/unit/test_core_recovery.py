@@ -15,9 +15,11 @@ from typing import Any
 
 import pytest
 from cluster_sim import Sim
+from core_harness import UID, Core, formed, hello, records, sends
 
 from ddpbus.codecs import messages as m
 from ddpbus.orchestrator.config import schedule_from
+from ddpbus.orchestrator.state import Joined, Phase, Timing
 from ddpbus.orchestrator.summary import summarize
 
 BATCH = 8
@@ -328,3 +330,49 @@ def test_the_ledger_names_an_epoch_that_was_not_covered() -> None:
     assert [v["epoch"] for v in coverage["violations"]] == list(range(EPOCHS))[
         EPOCHS - len(coverage["violations"]):]
     assert all(v["trained"] < v["batches"] for v in coverage["violations"])
+
+
+def test_a_rejoiner_left_alone_with_the_work_is_no_longer_fresh_and_finishes() -> None:
+    core = formed(epochs=2)
+    s = core.state
+    for rank in (0, 1):
+        core.train(rank, s.ranks[rank].target)
+    for rank in (0, 1):
+        core.ack(rank)
+    core.feed(Joined(hello(1, generation=2)))  # rank 1 restarts: fresh, rank 0 holds
+    core.steps[1] = 0  # (the new incarnation counts its steps from zero)
+    core.feed(Timing(m.NewNcclIdGenerated(rank=0, uid_bytes=UID)))
+    assert s.ranks[1].fresh
+    adopted = core.exiting(0)  # the only holder leaves before an average reached rank 1
+    assert sends(adopted, m.ExtendPartition)
+    core.feed(Timing(m.NewNcclIdGenerated(rank=1, uid_bytes=UID)))
+    r1 = s.ranks[1]
+    assert not r1.fresh
+    assert 0 < r1.target <= r1.budget  # (a fresh rank gets neither: the gate never opened)
+    assert records(adopted, "fresh-adopted") == [{"rank": 0, "ranks": [1]}]
+    for _ in range(100):  # it trains the lost work alone, average after average
+        if s.phase is not Phase.TRAINING:
+            break
+        rounds = s.rounds
+        core.train(1, max(1, r1.target - r1.steps))
+        assert s.rounds > rounds  # the gate opened
+        out = core.ack(1)
+    assert sends(out, m.Shutdown)
+    assert len(s.aggregated) == 2
+
+
+def test_a_dead_rank_with_two_lost_ranges_in_one_epoch_is_no_coverage_violation() -> None:
+    core = Core(world=3, epochs=1)
+    core.form()
+    s = core.state
+    for rank in range(3):
+        core.train(rank, s.ranks[rank].target)
+    for rank in range(3):
+        core.ack(rank)
+    core.exiting(2)  # its unsealed range goes to ranks 0 and 1
+    core.feed(Timing(m.NewNcclIdGenerated(rank=0, uid_bytes=UID)))
+    out = core.exiting(0)  # its own unsealed range and the one it inherited
+    [moved] = records(out, "work-reassigned")
+    assert [epoch for epoch, _, _ in moved["ranges"]] == [0, 0]
+    assert records(out, "coverage-violation") == []
+    assert s.pools[0].coverage_gaps() == []

@@ -10,8 +10,17 @@ from core_harness import Core, records, refusals, sends
 from ddpbus.codecs import messages as m
 from ddpbus.codecs.errors import ConfigError
 from ddpbus.orchestrator import rounds, snapshot
-from ddpbus.orchestrator.config import schedule_from
-from ddpbus.orchestrator.state import Command, Reduce, Reduced, Tick, Timing
+from ddpbus.orchestrator.config import describe, schedule_from
+from ddpbus.orchestrator.core import initial_state
+from ddpbus.orchestrator.state import (
+    Command,
+    CoreConfig,
+    Phase,
+    Reduce,
+    Reduced,
+    Tick,
+    Timing,
+)
 
 DIGEST = "SHA-256=abc"
 
@@ -264,6 +273,43 @@ def test_throttle_holds_a_rank_too_far_ahead_once_per_window() -> None:
     assert not core.state.ranks[0].throttled
 
 
+def run_paced(core: Core, pace: dict[int, int]) -> list[tuple[int, ...]]:
+    """Train until the run finishes, rank r taking ``pace[r]`` batches per turn (never past
+    its budget, never while throttled or while a round runs); every round is served at
+    once. Returns each round's batches in flight per rank when it was requested."""
+    s = core.state
+    rounds: list[tuple[int, ...]] = []
+    for _ in range(1000):
+        if s.phase is not Phase.TRAINING:
+            return rounds
+        rd = s.broker_round
+        if rd is not None:
+            rounds.append(tuple(r.in_flight() for r in s.ranks))
+            for r in s.alive:
+                ready(core, r.rank, version=rd.version)
+            core.feed(Reduced(version=rd.version, ok=True, digest=DIGEST))
+            for r in s.alive:
+                core.ack(r.rank)
+            continue
+        for rank, batches in pace.items():
+            r = s.ranks[rank]
+            for _ in range(batches):
+                if (r.steps < r.budget and r.in_flight() and not r.throttled
+                        and s.broker_round is None):
+                    core.train(rank, 1, ms=1.0 / batches)
+    raise AssertionError("the run did not finish")
+
+
+def test_a_rank_with_nothing_in_flight_throttles_nobody() -> None:
+    core = broker(progressive=False, max_batch_diff=3, epochs=1, anchor=10)
+    rounds = run_paced(core, {0: 1, 1: 3})
+    # rank 0 ran out of its half of the epoch first; rank 1's last 16 batches are one
+    # window, not one average per max_batch_diff + 1 steps
+    assert rounds[-1] == (0, 16)
+    assert core.state.rounds == len(rounds) + 1  # (the last one: the run is finishing)
+    assert core.state.phase is Phase.FINISHING
+
+
 def test_a_coordinator_that_takes_over_mid_reduce_knows_to_reduce_again() -> None:
     core = broker()
     to_gate(core)
@@ -302,3 +348,15 @@ def test_easgd_defaults_to_half_for_async_on_the_broker_only() -> None:
     assert schedule_from({"policy": "async"}).effective_easgd_alpha == 1.0
     assert schedule_from({"backend": "broker", "policy": "async",
                           "easgd_alpha": 1}).run_config(64, 2).easgd_alpha == 1.0
+
+
+def test_the_guard_threshold_defaults_to_0_3_under_easgd_only() -> None:
+    easgd = schedule_from({"backend": "broker", "policy": "async"})
+    assert easgd.divergence_threshold == 0.3  # resolved when the schedule is built
+    assert describe(easgd)["divergence_threshold"] == 0.3
+    assert initial_state(CoreConfig(schedule=easgd, world_size=2), 0.0).guard.threshold == 0.3
+    for overwrite in ({"backend": "broker"}, {"policy": "async"},
+                      {"backend": "broker", "policy": "async", "easgd_alpha": 1}):
+        assert schedule_from(overwrite).divergence_threshold == 0.05
+    assert schedule_from({"backend": "broker", "policy": "async",
+                          "divergence_threshold": 0.1}).divergence_threshold == 0.1

@@ -294,6 +294,23 @@ def test_sync_ack_never_counts_as_a_batch() -> None:
     assert [r.batches_total for r in core.state.ranks] == [10, 10]
 
 
+def test_batches_carried_back_to_the_average_take_their_timing_with_them() -> None:
+    core = formed(policy="async", epochs=3)
+    r0, r1 = core.state.ranks
+    core.train(0, r0.budget, ms=1.0)  # its target and its lookahead
+    assert sends(core.train(1, r1.target, ms=2.5), m.SyncNow)
+    averaged_at = r0.sync_step
+    core.train(0, 1, ms=7.0)  # trained before the collective, reported after SyncNow
+    core.train(0, 1, ms=3.0)  # trained after it
+    core.feed(Timing(m.SyncAck(rank=0, step_count=averaged_at + 1, divergence=0.01)))
+    assert (r0.window_start, r0.steps) == (averaged_at + 1, 1)
+    assert r0.fill_ms == 3.0  # the window's first batch is the one after the collective
+    assert r0.compute_ms == 3.0
+    assert (r0.delivered_ms, r0.delivered_batches) == (0.0, 0)
+    core.train(0, 1, ms=1.0)
+    assert (r0.delivered_ms, r0.delivered_batches) == (1.0, 1)
+
+
 def test_global_step_grows_by_sum_of_steps_and_is_broadcast() -> None:
     core = formed()
     core.train(0, 10, ms=2.0)

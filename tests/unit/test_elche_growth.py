@@ -198,6 +198,27 @@ def test_relax_up_allowed_within_max_batch_diff() -> None:
     assert e.anchor == 11
 
 
+def test_relax_up_waits_for_the_growth_latch_to_rearm() -> None:
+    e = make(relax_up=True)
+    equal(e)
+    e.apply_verdict(SUPPRESS)  # latches growth off (I.8)
+    for _ in range(4):
+        e.apply_verdict(STABLE)
+    assert e.growth_latched
+    assert e.anchor == 10
+    e.apply_verdict(STABLE)  # the 5th consecutive Stable re-arms it
+    assert not e.growth_latched
+    assert e.anchor == 11
+
+
+def test_relax_up_never_grows_the_anchor_when_growth_is_off_as_under_sync() -> None:
+    e = make(relax_up=True, growth=False)
+    equal(e)
+    for _ in range(3):
+        e.apply_verdict(STABLE)
+    assert e.anchor == 10
+
+
 def test_relax_up_never_passes_max_anchor() -> None:
     e = make(relax_up=True, max_anchor=10)
     equal(e)

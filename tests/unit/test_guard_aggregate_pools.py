@@ -7,7 +7,8 @@ import math
 import pytest
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator.aggregate import aggregate_epoch
+from ddpbus.codecs.convert import epoch_metrics_from_wire, epoch_metrics_to_wire
+from ddpbus.orchestrator.aggregate import RankSum, aggregate_epoch
 from ddpbus.orchestrator.elche import STABLE, Verdict
 from ddpbus.orchestrator.guard import TrendGuard, cosine
 from ddpbus.orchestrator.pools import Assignment, Pool, equal_split, proportional_split
@@ -144,6 +145,30 @@ def test_rank_without_chunks_has_zero_share_and_nan_loss() -> None:
     assert e.per_rank_throughput[1] == 0.0
     assert math.isnan(e.per_rank_loss[1])
     assert e.per_rank[1] == {}
+
+
+def test_a_diverged_rank_neither_dilutes_the_loss_nor_looks_perfect() -> None:
+    chunks = {0: [chunk(0, loss=1.0, batches=10, ms=100.0, samples=80)],
+              1: [chunk(1, loss=math.nan, batches=10, ms=100.0, samples=80),
+                  chunk(1, loss=math.inf, batches=5, ms=50.0, samples=40)]}
+    e = aggregate_epoch(3, chunks, 2)
+    assert e.avg_loss == pytest.approx(1.0)
+    assert e.per_rank_loss[0] == pytest.approx(1.0)
+    assert math.isnan(e.per_rank_loss[1])
+    assert e.per_rank_batch_share == pytest.approx((10 / 25, 15 / 25))  # it did the work
+    wire = epoch_metrics_from_wire(epoch_metrics_to_wire(e))  # NaN survives the codec
+    assert math.isnan(wire.per_rank_loss[1])
+
+
+def test_a_non_finite_chunk_leaves_the_ranks_finite_ones_their_mean() -> None:
+    chunks = {0: [chunk(0, loss=2.0, batches=10, ms=100.0, samples=80),
+                  chunk(0, loss=math.nan, batches=30, ms=100.0, samples=240)]}
+    folded = RankSum()
+    folded.add(chunk(0, loss=math.nan, batches=20, ms=100.0, samples=160))
+    folded.add(chunk(0, loss=4.0, batches=10, ms=100.0, samples=80))
+    e = aggregate_epoch(3, chunks, 1, folded={0: folded})
+    assert e.avg_loss == pytest.approx(3.0)
+    assert e.per_rank_loss == pytest.approx((3.0,))
 
 
 def test_no_batches_gives_nan_loss() -> None:
