@@ -130,7 +130,7 @@ class WorkerAgent:
         trainer = Trainer(self.spec, TrainerSettings(
             rank=s.rank, device=device, store_factory=self._store, out_dir=s.out_dir,
             final_state=s.final_state, slowdown=s.slowdown, bundle_sink=self._bundle_sink,
-            contribution_sink=self._contribution_sink),
+            contribution_sink=self._contribution_sink, refusal_sink=self._trainer_refused),
             self._outbox_threadsafe)
         self.trainer = trainer
         self.loop = asyncio.get_running_loop()
@@ -192,7 +192,7 @@ class WorkerAgent:
         # loaded once admitted, after the run's settings scaled the learning rate
         own = await self._find_bundle(bundles.LATEST_KEY) if self.resume_seq else None
         loaded = int(own.meta.get("global_step", 0)) if own is not None else (
-            trainer.load_consensus())
+            self._warm_start(trainer))
         hello = m.Hello(rank=s.rank, generation=self.generation, host=socket.gethostname(),
                         device=str(device), model_signature=model_signature(trainer.model),
                         world_size=s.world_size, pid=os.getpid(),
@@ -210,6 +210,8 @@ class WorkerAgent:
             return EXIT_REJECTED
         # beacons start once admitted: before that the coordinator does not know this rank
         self._tasks.append(asyncio.create_task(self._beacon(), name="heartbeat"))
+        if not loaded:
+            await asyncio.to_thread(self._run_weights, trainer, accept.run)
         trainer.configure(accept.run, accept.world_size)
         if not await self._load_bundle(trainer, own):
             return EXIT_FAILED
@@ -236,6 +238,27 @@ class WorkerAgent:
         if not flushed:
             log.error("rank %d: some reports were not stored before exit", s.rank)
         return EXIT_OK if outcome.clean and flushed and stored else EXIT_FAILED
+
+    def _warm_start(self, trainer: Trainer) -> int:
+        """A restarted incarnation (its consumer has progress) starts from the consensus
+        model in ``--out``; a fresh rank never does, whatever that file holds (a previous
+        run's model). Returns the loaded model's global step (Rejoin's checkpoint_version),
+        0 if none was loaded."""
+        if self.resume_seq:
+            return trainer.load_consensus()
+        path = trainer.consensus_path()
+        if path is not None and path.exists():
+            log.warning("rank %d: ignoring %s: a fresh rank starts from the run's initial "
+                        "weights (only a restarted one resumes from that model)", self.rank,
+                        path)
+        return 0
+
+    def _run_weights(self, trainer: Trainer, run: m.RunConfig) -> None:
+        """The model was built under the spec's seed; a run with another one (``--knob
+        seed=N``) starts every rank from that seed's weights instead."""
+        if run.seed != self.spec.schedule().seed:
+            log.info("rank %d: initial weights from the run's seed %d", self.rank, run.seed)
+            trainer.reinitialise(run.seed)
 
     # ---------------------------------------------------------------- bundles
 
@@ -428,6 +451,10 @@ class WorkerAgent:
             if self._done is not None and not self._done.done():
                 self._done.set_result(outcome)
         self.loop.call_soon_threadsafe(settle)
+
+    def _trainer_refused(self, reason: str) -> None:
+        """From the training thread: it refused a control message (it said why)."""
+        self.loop.call_soon_threadsafe(self.rejected.update, [reason])
 
     def _refused(self, exc: DecodeError) -> None:
         self.rejected[exc.reason] += 1

@@ -7,10 +7,12 @@ NATS side never waits for a batch or a collective. Rules it keeps:
 - it trains only inside an open window: SetGlobalStep opens one with a per-rank step
   budget, SyncNow closes it; it never takes more steps than the budget;
 - it trains exactly the samples of each plan (StartEpoch / ExtendPartition), batch by batch,
-  and reports a Batch after every batch and a MetricsMsg after every plan; per-batch reports
+  refusing (and counting) a plan that is empty or leaves the dataset, and reports a Batch
+  after every batch and a MetricsMsg after every plan; per-batch reports
   (Batch, LrUpdate) that come faster than the run's report interval travel together as one
   Reports, and the Batch that closes a window ends one at once (the gate waits on it);
-- its data clock stops while a callback runs (callback time is never read as slowness).
+- its data clock stops while a callback runs and while it waits for the coordinator
+  (neither is ever read as slowness).
 """
 
 from __future__ import annotations
@@ -108,6 +110,8 @@ class TrainerSettings:
     # broker backend: hands (version, contribution blob or None, mass, local step) to the
     # agent, which stores it and answers SnapshotReady
     contribution_sink: Callable[[int, bytes | None, float, int], None] | None = None
+    # counts a control message this rank refused, by reason (the agent's Heartbeat.rejections)
+    refusal_sink: Callable[[str], None] | None = None
 
 
 @dataclass(slots=True)
@@ -167,7 +171,7 @@ class Trainer(threading.Thread):
         self.window = _Window()
         self.step = 0
         self.global_step = 0
-        self.epoch: int | None = None
+        self.epoch: int | None = None  # the newest epoch entered (ctx.epoch, epoch_fn)
         self.epoch_fn_role: int | None = None
         self.group_ready = False
         self.sessions = 0
@@ -185,6 +189,7 @@ class Trainer(threading.Thread):
         self._round: averaging.Snapshot | None = None
         self._deferred: list[m.ControlMsg] = []
         self.consensus: list[torch.Tensor] | None = None
+        self._refused: set[str] = set()  # reasons already warned about
 
     # ------------------------------------------------------------------ set-up
 
@@ -209,12 +214,16 @@ class Trainer(threading.Thread):
             # (or a bundle), and averaging needs only the broker
             self.sessions, self.group_ready = 1, True
 
+    def consensus_path(self) -> Path | None:
+        """Where this rank writes (and a restart reads) the consensus model."""
+        out = self.settings.out_dir
+        return out / "consensus.safetensors" if out is not None else None
+
     def load_consensus(self) -> int:
         """A restarted rank starts from the latest consensus model in ``out_dir`` if there
         is one (a warm start: it takes no work before an average hands it the live
         consensus anyway). Returns that model's global step, 0 if none was loaded."""
-        out = self.settings.out_dir
-        path = out / "consensus.safetensors" if out is not None else None
+        path = self.consensus_path()
         if path is None or not path.exists():
             return 0
         try:
@@ -225,6 +234,13 @@ class Trainer(threading.Thread):
         log.info("rank %d: loaded the consensus model of global step %s from %s", self.rank,
                  meta.get("global_step"), path)
         return int(meta.get("global_step") or 0)
+
+    def reinitialise(self, seed: int) -> None:
+        """The run's initial weights under ``seed`` (the run's seed is not the spec's:
+        ``--knob seed=N``): the model built again, its state copied into the live one, whose
+        parameters stay views of the flat buffers. Every fresh rank does the same."""
+        torch.manual_seed(seed)
+        self.model.load_state_dict(self.spec.model().state_dict())
 
     def load_bundle(self, blobs: dict[str, bytes], manifest: Manifest) -> None:
         """Start from a resume bundle: its parameters, its optimizer state (keeping the
@@ -313,7 +329,10 @@ class Trainer(threading.Thread):
                 continue
             self.flush_reports()  # going idle: nothing of this rank's stays behind
             self.release()
-            done = self._handle(self._next_input())
+            msg = self._next_input()
+            # waiting for the coordinator (a plan, a window, a round) is not data time
+            self.ready_at = time.perf_counter()
+            done = self._handle(msg)
             self.release()
             if done is not None:
                 return done
@@ -407,18 +426,34 @@ class Trainer(threading.Thread):
                 self._on_start_epoch(m.StartEpoch(plan=p.plan))
 
     def _on_start_epoch(self, msg: m.StartEpoch) -> None:
-        run = self._run()
         p = msg.plan
-        idx = plan_indices(run.dataset_size, run.seed, p.epoch, p.partition_offset,
-                           p.partition_size)
-        self.plans.append(Plan(epoch=p.epoch, indices=idx, batch_size=run.batch_size))
+        self._add_plan("StartEpoch", p.epoch, p.partition_offset, p.partition_size)
 
     def _on_extend(self, msg: m.ExtendPartition) -> None:
         """A dead peer's lost batches: a plan of its own (its own MetricsMsg)."""
+        self._add_plan("ExtendPartition", msg.epoch, msg.partition_offset, msg.partition_size)
+
+    def _add_plan(self, what: str, epoch: int, offset: int, size: int) -> None:
+        """Queue samples ``[offset, offset + size)`` of ``epoch``'s permutation; a slice
+        that is empty or leaves the dataset is refused (training it would train an empty or
+        short batch, and report samples that do not exist)."""
         run = self._run()
-        idx = plan_indices(run.dataset_size, run.seed, msg.epoch, msg.partition_offset,
-                           msg.partition_size)
-        self.plans.append(Plan(epoch=msg.epoch, indices=idx, batch_size=run.batch_size))
+        if size <= 0 or offset < 0 or offset + size > run.dataset_size:
+            self._refuse("plan-out-of-range", f"{what} for epoch {epoch}, samples "
+                         f"[{offset}, {offset + size}), refused: the dataset has "
+                         f"{run.dataset_size} samples (nothing trained)")
+            return
+        idx = plan_indices(run.dataset_size, run.seed, epoch, offset, size)
+        self.plans.append(Plan(epoch=epoch, indices=idx, batch_size=run.batch_size))
+
+    def _refuse(self, reason: str, detail: str) -> None:
+        """A control message this rank does not carry out: warned about once per reason
+        (the rest at debug level), every one counted by the agent."""
+        level = logging.DEBUG if reason in self._refused else logging.WARNING
+        self._refused.add(reason)
+        log.log(level, "rank %d: %s", self.rank, detail)
+        if self.settings.refusal_sink is not None:
+            self.settings.refusal_sink(reason)
 
     def _on_sync(self, _msg: m.SyncNow) -> None:
         run = self._run()
@@ -563,7 +598,10 @@ class Trainer(threading.Thread):
 
     def _train_batch(self) -> None:
         plan = self.plans[0]
-        if plan.epoch != self.epoch:
+        # an older epoch's reassigned work (ExtendPartition after plans of the next) trains
+        # under its own epoch (its permutation, its MetricsMsg), but the rank stays in the
+        # newest: epoch_fn runs once per epoch, ctx.epoch never goes back
+        if self.epoch is None or plan.epoch > self.epoch:
             self._enter_epoch(plan.epoch)
         run = self._run()
         t0 = time.perf_counter()

@@ -1,0 +1,103 @@
+"""The training thread of one rank, driven through its inbox: epochs, the data clock and
+the plans it refuses."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import pytest
+from worker_harness import BATCH, N, Rank, plan, spec, window
+
+from ddpbus.codecs import messages as m
+from ddpbus.worker_agent.spec import WorkerContext
+
+
+def test_an_older_epochs_reassigned_work_does_not_enter_that_epoch_again() -> None:
+    """Async lookahead queues epoch 1 before a dead peer's epoch-0 work arrives
+    (ExtendPartition of epoch 0): epoch_fn runs once per epoch and ctx.epoch never goes
+    back, while the reassigned batches are trained and reported as epoch 0's."""
+    calls: list[int] = []
+    seen: list[int] = []
+
+    def epoch_fn(epoch: int, _ctx: WorkerContext) -> None:
+        calls.append(epoch)
+
+    def train_step(model: Any, b: Any) -> Any:
+        seen.append(rank.trainer.ctx.epoch)
+        return ((model(b[0]) - b[1]) ** 2).mean()
+
+    rank = Rank(spec(epoch_fn=epoch_fn, train_step=train_step))
+    rank.put(m.SetEpochCallbackRole(rank=0),
+             window(plan(0, 0, 2 * BATCH), plan(1, 0, 2 * BATCH)),
+             m.ExtendPartition(epoch=0, partition_offset=2 * BATCH, partition_size=BATCH),
+             m.StartEpoch(plan=m.EpochPlan(epoch=1, partition_offset=2 * BATCH,
+                                           partition_size=BATCH)))
+    rank.trainer.start()  # the four are queued before the first batch
+    rank.wait_steps(6)
+    rank.stop()
+    assert calls == [0, 1]
+    assert [x.epoch for x in rank.of(m.EpochFnElapsed)] == [0, 1]
+    assert seen == [0, 0, 1, 1, 1, 1]
+    assert rank.trainer.ctx.epoch == 1
+    # each plan's metrics under its own epoch, in plan order
+    assert [(x.epoch, x.batches_processed) for x in rank.of(m.MetricsMsg)] == [
+        (0, 2), (1, 2), (0, 1), (1, 1)]
+
+
+def test_waiting_for_a_plan_inside_a_window_is_not_data_time() -> None:
+    """A rank that ran out of plans in an open window waits for the next one (StartEpoch,
+    ExtendPartition); that wait is the coordinator's, not this rank's data loading."""
+    idle = 0.4
+    rank = Rank()
+    rank.trainer.start()
+    rank.put(window(plan(0, 0, BATCH)))
+    rank.wait_steps(1)
+    time.sleep(idle)
+    rank.put(m.ExtendPartition(epoch=0, partition_offset=BATCH, partition_size=BATCH))
+    rank.wait_steps(2)
+    time.sleep(idle)
+    rank.put(m.StartEpoch(plan=m.EpochPlan(epoch=0, partition_offset=2 * BATCH,
+                                           partition_size=BATCH)))
+    rank.wait_steps(3)
+    rank.stop()
+    batches = rank.batches()
+    assert [b.step_count for b in batches] == [1, 2, 3]
+    assert all(b.data_ms < idle * 1000.0 / 2 for b in batches), [b.data_ms for b in batches]
+    metrics = rank.of(m.MetricsMsg)
+    assert all(x.data_starve_ms < idle * 1000.0 / 2 for x in metrics)
+
+
+@pytest.mark.parametrize("bad", [
+    m.StartEpoch(plan=m.EpochPlan(epoch=0, partition_offset=N - BATCH,
+                                  partition_size=2 * BATCH)),  # runs past the end
+    m.StartEpoch(plan=m.EpochPlan(epoch=0, partition_offset=0, partition_size=0)),
+    m.ExtendPartition(epoch=0, partition_offset=N, partition_size=BATCH),  # beyond it
+    m.ExtendPartition(epoch=0, partition_offset=-BATCH, partition_size=BATCH),
+    window(plan(0, 2 * N, BATCH)),  # a window's plan
+], ids=["past-the-end", "empty", "extend-beyond", "negative-offset", "window-plan"])
+def test_a_plan_outside_the_dataset_is_refused_counted_and_not_trained(bad: m.ControlMsg
+                                                                        ) -> None:
+    rank = Rank()
+    rank.put(window(), bad, window(plan(0, 0, BATCH)))
+    rank.trainer.start()
+    rank.wait_steps(1)
+    time.sleep(0.1)  # nothing else is trained
+    rank.stop()
+    assert [b.step_count for b in rank.batches()] == [1]
+    assert [(x.epoch, x.batches_processed) for x in rank.of(m.MetricsMsg)] == [(0, 1)]
+    assert all(math.isfinite(x.avg_loss) for x in rank.of(m.MetricsMsg))
+    assert rank.refused == ["plan-out-of-range"]
+
+
+def test_a_plan_that_ends_the_dataset_with_a_short_batch_is_trained() -> None:
+    """Legal plans are untouched: one ending exactly at the dataset's last sample, and one
+    shorter than a batch (a partial last batch)."""
+    rank = Rank()
+    rank.put(window(plan(0, N - 2 * BATCH, 2 * BATCH), plan(1, N - BATCH // 2, BATCH // 2)))
+    rank.trainer.start()
+    rank.wait_steps(3)
+    rank.stop()
+    assert rank.refused == []
+    assert [(x.epoch, x.batches_processed) for x in rank.of(m.MetricsMsg)] == [(0, 2), (1, 1)]
