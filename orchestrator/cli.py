@@ -75,13 +75,6 @@ def _positive(text: str) -> int:
     return value
 
 
-def _nonneg_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value
-
-
 def _job(text: str) -> str:
     try:
         return sj.check_job(text)
@@ -126,9 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--tls-ca", type=Path, metavar="FILE", help="CA of client "
                      "certificates: clients must present one (mutual TLS)")
 
-    init = sub.add_parser("init-job", help="create a job's stream, KV bucket and consumers",
-                          description="Create (or update) the JetStream stream, KV bucket "
-                          "and durable consumers of one job, per subjects.md. Idempotent.")
+    init = sub.add_parser("init-job", help="create a job's stream, KV bucket, Object Stores "
+                          "and consumers",
+                          description="Create (or update) the JetStream stream, KV bucket, "
+                          "Object Stores (rounds and bundles) and durable consumers of one "
+                          "job, per subjects.md. Idempotent.")
     init.add_argument("--job", type=_job, help="job name (env DDPBUS_JOB)")
     init.add_argument("--nats", help="NATS URL (env DDPBUS_NATS_URL)")
     init.add_argument("--world-size", type=_positive, help="number of ranks "
@@ -153,6 +148,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _flags(parser: argparse.ArgumentParser, command: str) -> dict[str, argparse.Action]:
+    """The flags (and positionals) of one subcommand, by destination."""
+    for action in parser._actions:  # argparse lists its subcommands only here
+        if isinstance(action, argparse._SubParsersAction):
+            return {a.dest: a for a in action.choices[command]._actions}
+    raise AssertionError("ddpbus's parser has no subcommands")
+
+
+def _from_env(flag: argparse.Action, text: str) -> Any:
+    """A variable's value, converted and checked exactly as its flag's would be."""
+    value = flag.type(text) if callable(flag.type) else text
+    if flag.choices is not None and value not in flag.choices:
+        raise ValueError(f"not one of {', '.join(map(str, flag.choices))}")
+    return value
+
+
 def merge_env(parser: argparse.ArgumentParser, args: argparse.Namespace,
               environ: Mapping[str, str]) -> argparse.Namespace:
     """Fill unset flags from ``DDPBUS_*`` variables; refuse unknown ones."""
@@ -165,18 +176,15 @@ def merge_env(parser: argparse.ArgumentParser, args: argparse.Namespace,
         # `ddpbus run` shows its own progress and table; its processes log to files
         quiet = "WARNING" if args.command == "run" else "INFO"
         args.log_level = environ.get("DDPBUS_LOG_LEVEL", quiet).upper()
-    converters: dict[str, Callable[[str], Any]] = {
-        "port": _port, "monitor_port": _port, "max_payload": _positive, "world_size": _positive,
-        "store": Path, "config": Path, "job": _job, "key_file": Path, "summary": Path,
-        "events": Path, "out": Path, "rank": _nonneg_int, "workers": _positive,
-        "torch_threads": _positive, "bundle_dir": Path, "metrics_port": _port,
-        "report": Path, "auth": Path, "tls_cert": Path, "tls_key": Path, "tls_ca": Path,
-        **{f"nats_{f}": Path for f in NATS_AUTH_ENV if f != "user"},
-    }
+        levels = next(a.choices for a in parser._actions if a.dest == "log_level")
+        if levels is not None and args.log_level not in levels:
+            parser.error(f"DDPBUS_LOG_LEVEL={environ['DDPBUS_LOG_LEVEL']!r}: not one of "
+                         f"{', '.join(levels)}")
+    flags = _flags(parser, args.command)
     for dest, var in ENV_VARS.get(args.command, {}).items():
         if getattr(args, dest, None) is None and var in environ:
             try:
-                setattr(args, dest, converters.get(dest, str)(environ[var]))
+                setattr(args, dest, _from_env(flags[dest], environ[var]))
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"{var}={environ[var]!r}: {exc}")
     return args

@@ -36,7 +36,8 @@ ENV_VARS: dict[str, dict[str, str]] = {
         "device": "DDPBUS_DEVICE", "torch_threads": "DDPBUS_TORCH_THREADS",
         "spec": "DDPBUS_SPEC", "bundle_dir": "DDPBUS_BUNDLE_DIR",
     },
-    "run": {"workers": "DDPBUS_WORKERS", "out": "DDPBUS_OUT"},
+    "run": {"workers": "DDPBUS_WORKERS", "out": "DDPBUS_OUT", "policy": "DDPBUS_POLICY",
+            "backend": "DDPBUS_BACKEND"},
     "sub": {"job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL", "key_file": "DDPBUS_KEY_FILE"},
     "status": {"job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL",
                "key_file": "DDPBUS_KEY_FILE"},
@@ -143,7 +144,8 @@ def _connection_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats", help="NATS URL (env DDPBUS_NATS_URL)")
     p.add_argument("--key-file", type=Path, help="file holding the job key, >= 16 bytes "
                    "(env DDPBUS_KEY_FILE)")
-    p.add_argument("--world-size", type=int, help="number of ranks (env DDPBUS_WORLD_SIZE)")
+    p.add_argument("--world-size", type=_positive_int, help="number of ranks (env "
+                   "DDPBUS_WORLD_SIZE)")
     nats_auth_flags(p)
 
 
@@ -206,7 +208,7 @@ def add_parsers(sub: Any) -> None:
                         "(env DDPBUS_OUT)")
     worker.add_argument("--device", help="auto (default: cuda:<rank mod count> with CUDA, "
                         "else cpu), cpu, cuda, cuda:N (env DDPBUS_DEVICE)")
-    worker.add_argument("--torch-threads", type=int, help="torch intra-op threads")
+    worker.add_argument("--torch-threads", type=_positive_int, help="torch intra-op threads")
     worker.add_argument("--slowdown", type=_factor, default=1.0, help="SIMULATION: make every "
                         "batch FACTOR times slower (to watch El Che balance on one machine)")
     worker.add_argument("--final-state", type=Path, help="on Shutdown, write this rank's "
@@ -222,7 +224,7 @@ def add_parsers(sub: Any) -> None:
                          "and N worker processes on this machine, show progress, print the "
                          "result. Ctrl-C stops everything cleanly.")
     run.add_argument("spec", help="training spec: file.py:name or module:name")
-    run.add_argument("--workers", type=int, help="number of worker processes (env "
+    run.add_argument("--workers", type=_positive_int, help="number of worker processes (env "
                      "DDPBUS_WORKERS; default 2)")
     _schedule_flags(run)
     run.add_argument("--slowdown", action="append", default=[], metavar="RANK=FACTOR",
@@ -232,7 +234,7 @@ def add_parsers(sub: Any) -> None:
     run.add_argument("--out", type=Path, help="run directory: logs, events, consensus model "
                      "(default: ./ddpbus-runs/<job>)")
     run.add_argument("--job", type=_job, help="job name (default: a fresh one)")
-    run.add_argument("--torch-threads", type=int, help="torch threads per worker "
+    run.add_argument("--torch-threads", type=_positive_int, help="torch threads per worker "
                      "(default: cores / workers)")
     run.add_argument("--no-progress", action="store_true", help="no live progress display")
     run.add_argument("--wire-json", action="store_true", help="proto3 JSON payloads")

@@ -54,7 +54,8 @@ class TrainSpec:
     - ``checkpoint_fn(version, model)``: run on the elected checkpoint rank;
     - ``epoch_fn(epoch, ctx)``: run on the elected rank when it starts an epoch;
     - ``policy``: ``sync`` | ``cadence`` | ``async``; ``backend``: ``auto`` | ``nccl`` |
-      ``gloo``; ``knobs``: scheduler settings (see ``ddpbus.orchestrator.config.KNOBS``).
+      ``gloo`` | ``broker``; ``knobs``: scheduler settings (see
+      ``ddpbus.orchestrator.config.KNOBS``).
     """
 
     model: Callable[[], torch.nn.Module]

@@ -693,7 +693,9 @@ class ControlMsg(_message.Message):
 
     @_typing.final
     class Update(_message.Message):
-        """Broker-path reduce complete; the tensors travel on the data subjects."""
+        """Broker-path reduce complete; the tensors are the object "v<version>.consensus" in
+        the job's Object Store ddpbus_<job>_rounds.
+        """
 
         DESCRIPTOR: _descriptor.Descriptor
 

@@ -156,11 +156,26 @@ def _pods(doc: dict[str, Any]) -> list[dict[str, Any]]:
     (["coordinator.retention.compactEvery=-1"], "at '/coordinator/retention/compactEvery'"),
     (["coordinator.retention.streamMaxBytes=lots"],
      "at '/coordinator/retention/streamMaxBytes'"),
+    # 0 would be dropped like null (the stream keeping its limit), not refused by the flag
+    (["coordinator.retention.streamMaxBytes=0"],
+     "at '/coordinator/retention/streamMaxBytes'"),
 ])
 def test_bad_values_are_refused(helm: Path, sets: list[str], message: str) -> None:
     out = run(helm, "template", "train", str(CHART), *[x for s in sets for x in ("--set", s)])
     assert out.returncode != 0
     assert message in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(("sets", "flag"), [
+    ([], None),  # null: no flag, so an existing stream keeps its limit
+    (["coordinator.retention.streamMaxBytes=-1"], "--stream-max-bytes=-1"),
+])
+def test_stream_max_bytes_null_sets_nothing_and_minus_one_unlimited(
+        helm: Path, sets: list[str], flag: str | None) -> None:
+    [coord] = [d for d in by_kind(render(helm, sets), "Deployment")
+               if "coordinator" in d["metadata"]["name"]]
+    given = [a for a in container(coord)["args"] if a.startswith("--stream-max-bytes")]
+    assert given == ([flag] if flag else [])
 
 
 def test_the_chart_readme_names_every_value() -> None:

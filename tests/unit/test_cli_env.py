@@ -3,6 +3,8 @@ refused with a clear message before anything connects."""
 
 from __future__ import annotations
 
+import argparse
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ddpbus.orchestrator import auth
-from ddpbus.orchestrator.cli import build_parser, merge_env
+from ddpbus.orchestrator.cli import ENV_VARS, build_parser, merge_env
 
 
 def test_path_variables_become_paths() -> None:
@@ -72,3 +74,67 @@ def test_retention_flags_parse() -> None:
     args = build_parser().parse_args(["coordinator", "--compact-every", "0",
                                       "--keep-history", "90", "--stream-max-bytes", "-1"])
     assert (args.compact_every, args.keep_history, args.stream_max_bytes) == (0.0, 90.0, -1)
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+@pytest.mark.parametrize(("argv", "env", "dest", "value"), [
+    (["coordinator"], {"DDPBUS_LEASE_TTL": "7"}, "lease_ttl", 7.0),
+    (["coordinator"], {"DDPBUS_WORLD_SIZE": "4"}, "world_size", 4),
+    (["coordinator"], {"DDPBUS_POLICY": "cadence"}, "policy", "cadence"),
+    (["simulate"], {"DDPBUS_WORLD_SIZE": "8"}, "ranks", 8),
+    (["run", "spec.py:spec"], {"DDPBUS_POLICY": "async"}, "policy", "async"),
+    (["run", "spec.py:spec"], {"DDPBUS_BACKEND": "gloo"}, "backend", "gloo"),
+    (["run", "spec.py:spec"], {"DDPBUS_WORKERS": "3"}, "workers", 3),
+    (["worker"], {"DDPBUS_TORCH_THREADS": "2"}, "torch_threads", 2),
+])
+def test_variables_arrive_as_their_flags_would(argv: list[str], env: dict[str, str],
+                                               dest: str, value: object) -> None:
+    parser = build_parser()
+    args = merge_env(parser, parser.parse_args(argv), env)
+    got = getattr(args, dest)
+    assert got == value
+    assert type(got) is type(value)
+    # the flag gives the same value
+    flag = "--" + dest.replace("_", "-")
+    assert getattr(parser.parse_args([*argv, flag, *env.values()]), dest) == got
+
+
+@pytest.mark.parametrize(("argv", "env"), [
+    (["coordinator"], {"DDPBUS_LEASE_TTL": "0"}),
+    (["coordinator"], {"DDPBUS_LEASE_TTL": "soon"}),
+    (["coordinator"], {"DDPBUS_WORLD_SIZE": "0"}),
+    (["coordinator"], {"DDPBUS_POLICY": "fastest"}),
+    (["simulate"], {"DDPBUS_WORLD_SIZE": "0"}),
+    (["simulate"], {"DDPBUS_WORLD_SIZE": "many"}),
+    (["run", "spec.py:spec"], {"DDPBUS_POLICY": "fastest"}),
+    (["run", "spec.py:spec"], {"DDPBUS_BACKEND": "mpi"}),
+    (["worker"], {"DDPBUS_TORCH_THREADS": "0"}),
+    (["status"], {"DDPBUS_LOG_LEVEL": "chatty"}),
+    (["run", "spec.py:spec"], {"DDPBUS_NO_SUCH": "1"}),
+])
+def test_bad_or_unknown_variables_are_refused(capsys: pytest.CaptureFixture[str],
+                                              argv: list[str], env: dict[str, str]) -> None:
+    parser = build_parser()
+    with pytest.raises(SystemExit) as exc:
+        merge_env(parser, parser.parse_args(argv), env)
+    assert exc.value.code == 2
+    assert next(iter(env)) in capsys.readouterr().err
+
+
+def test_every_variable_a_help_names_is_read_by_that_command() -> None:
+    for command, sub in _subcommands().items():
+        for action in sub._actions:
+            for var in re.findall(r"env (DDPBUS_[A-Z_]+)", action.help or ""):
+                assert ENV_VARS.get(command, {}).get(action.dest) == var, (command, action.dest)
+
+
+def test_every_variable_belongs_to_a_flag_of_its_command() -> None:
+    subcommands = _subcommands()
+    for command, table in ENV_VARS.items():
+        dests = {a.dest for a in subcommands[command]._actions}
+        assert set(table) <= dests, (command, set(table) - dests)
