@@ -168,6 +168,15 @@ def _dispatch_bundle(s: State, epoch: int, out: Out) -> None:
                                  "global_step": s.global_step}))
 
 
+def retry_evals(s: State, out: Out) -> None:
+    """Send again, right after an average (or once none comes any more), the evals whose
+    rank died before answering: the heir then scores a consensus, as the boundary's eval
+    would have, not its own parameters trained on since (reference C.10)."""
+    due, s.evals_due = s.evals_due, []
+    for epoch in due:
+        dispatch_eval(s, epoch, out)
+
+
 def retry_checkpoints(s: State, out: Out) -> None:
     """Re-dispatch failed checkpoints right after an average (the new target sees a
     consensus); give up on a version once every live rank has tried it."""
@@ -250,7 +259,9 @@ def enter_finishing(s: State, now: float, out: Out) -> None:
         out.append(Record("finishing", {"global_step": s.global_step, "rounds": s.rounds}))
         # a checkpoint that failed while training waits for an average to move on, and
         # the run may finish without another one (under async, when nobody moved since
-        # the last): no average comes any more, the models agree, so it moves on now
+        # the last), nor an eval whose rank died: no average comes any more, the models
+        # agree, so they move on now
+        retry_evals(s, out)
         retry_checkpoints(s, out)
     maybe_finish(s, now, out)
 
@@ -260,7 +271,7 @@ def maybe_finish(s: State, now: float, out: Out) -> None:
     every callback answered."""
     if s.phase is not Phase.FINISHING:
         return
-    if not all(r.acked for r in s.alive) or s.evals or s.checkpoints:
+    if not all(r.acked for r in s.alive) or s.evals or s.evals_due or s.checkpoints:
         return
     if s.next_aggregate < s.schedule.epochs:
         return

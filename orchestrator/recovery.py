@@ -139,12 +139,13 @@ def _fail_over_roles(s: State, dead: RankState, out: Out) -> None:
     for schedule_id, (epoch, rank) in list(s.evals.items()):
         if rank == dead.rank:
             del s.evals[schedule_id]
-            callbacks.dispatch_eval(s, epoch, out)
+            s.evals_due.append(epoch)
     for pending in s.checkpoints.values():
         if pending.target == dead.rank:
             pending.tried.add(dead.rank)
-    if s.phase is not Phase.TRAINING:
-        callbacks.retry_checkpoints(s, out)  # no average comes any more: models agree
+    if s.phase is not Phase.TRAINING:  # no average comes any more: models agree
+        callbacks.retry_evals(s, out)
+        callbacks.retry_checkpoints(s, out)
 
 
 def resolve_orphans(s: State, now: float, out: Out) -> None:

@@ -373,6 +373,9 @@ class State:
     pending_verdict: GuardVerdict | None = None
     roles: Roles = field(default_factory=Roles)
     evals: dict[int, tuple[int, int]] = field(default_factory=dict)  # id -> (epoch, rank)
+    # epochs whose eval died with its rank mid-window: sent again right after the next
+    # average (the heir's own parameters have moved on since the boundary's consensus)
+    evals_due: list[int] = field(default_factory=list)
     next_schedule_id: int = 1
     checkpoints: dict[int, PendingCheckpoint] = field(default_factory=dict)
     intents: set[m.IntentKind] = field(default_factory=set)

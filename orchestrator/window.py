@@ -265,6 +265,7 @@ def sync(s: State, now: float, out: Out) -> None:
                                   "counts": dict(s.elche.counts),
                                   "overhead": s.elche.last_overhead}))
     callbacks.elect_roles(s, out)
+    callbacks.retry_evals(s, out)
     callbacks.retry_checkpoints(s, out)
 
 

@@ -295,6 +295,8 @@ class Sim:
 
         def done() -> None:
             r.busy = False
+            if r.silent:
+                return  # it died (or hangs) during the callback: no result comes
             self.to_core(result())
             self._drain(r)
         self.at(self.now + r.callback_ms / 1000.0, done)

@@ -376,3 +376,35 @@ def test_a_dead_rank_with_two_lost_ranges_in_one_epoch_is_no_coverage_violation(
     assert [epoch for epoch, _, _ in moved["ranges"]] == [0, 0]
     assert records(out, "coverage-violation") == []
     assert s.pools[0].coverage_gaps() == []
+
+
+def test_an_eval_whose_rank_dies_is_sent_again_right_after_the_next_average() -> None:
+    """The heir must score a consensus, as the boundary's eval would have, not its own
+    parameters trained on since: the lost eval waits for the next SyncNow."""
+    sim = make("cadence", has_eval=True)
+    for r in sim.ranks:
+        r.callback_ms = 150.0  # an eval is pending long enough to die during it
+    died: list[tuple[float, int, int]] = []  # (time, rank, epoch of its pending eval)
+
+    def kill_an_evaluator() -> None:
+        if not died and sim.state.evals:
+            [(epoch, rank)] = sim.state.evals.values()
+            died.append((sim.now, rank, epoch))
+            sim.kill(rank)
+        elif not died:
+            sim.at(sim.now + 0.005, kill_an_evaluator)
+
+    sim.at(0.2, kill_an_evaluator)
+    finish = sim.run()
+    assert finish.ok, finish.reason
+    [(killed_at, dead, epoch)] = died
+    again = [(t, rank) for t, rank, msg in sim.sent_of(m.ExecuteEvalCallback)
+             if msg.epoch == epoch and t > killed_at]
+    [(sent_at, heir)] = again
+    assert heir != dead
+    declared = sim.records("rank-dead")[0]
+    assert declared["rank"] == dead
+    # not at the death: with the SyncNow of the next average, in the same decision
+    syncs = [t for t, _, _ in sim.sent_of(m.SyncNow)]
+    assert sent_at in syncs
+    assert sorted(e for e, _ in sim.state.eval_history) == list(range(EPOCHS))
