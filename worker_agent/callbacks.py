@@ -61,6 +61,10 @@ def _targeted(trainer: Trainer, target: int, what: str) -> bool:
     return True
 
 
+UNAVERAGED = ("this rank's latest average failed: its parameters are its own, not a "
+              "consensus")
+
+
 def run_eval(trainer: Trainer, msg: m.ExecuteEvalCallback) -> None:
     if not _targeted(trainer, msg.target_rank, "ExecuteEvalCallback"):
         return
@@ -68,6 +72,8 @@ def run_eval(trainer: Trainer, msg: m.ExecuteEvalCallback) -> None:
     with _Timed(trainer) as t:
         if trainer.spec.eval_fn is None:
             error = "this rank's spec has no eval_fn"
+        elif trainer.unaveraged:
+            error = UNAVERAGED
         elif msg.adopt_consensus and trainer.consensus is None:
             error = ("adopt_consensus needs a retained consensus copy; backend "
                      f"{trainer._run().backend.value} averages in place, so the live model "
@@ -96,6 +102,8 @@ def run_checkpoint(trainer: Trainer, msg: m.Checkpoint) -> None:
     with _Timed(trainer) as t:
         if trainer.spec.checkpoint_fn is None:
             error = "this rank's spec has no checkpoint_fn"
+        elif trainer.unaveraged:  # the coordinator fails over after the next average
+            error = UNAVERAGED
         else:
             try:
                 with trainer.consensus_view():
@@ -138,6 +146,14 @@ def save_consensus(trainer: Trainer, msg: m.SaveConsensusModel) -> None:
     if out is None and (msg.version == 0 or sink is None):
         log.error("rank %d: SaveConsensusModel but this rank has no --out directory",
                   trainer.rank)
+        return
+    if trainer.unaveraged:
+        # a bundle whose record says "epoch done" over parameters no average made would
+        # resume a run without the work its peers did: none is written, the job's latest
+        # bundle stays the previous one (a resume redoes the epoch)
+        log.warning("rank %d: %s not saved: %s", trainer.rank,
+                    f"bundle v{msg.version}" if msg.version else "the consensus model",
+                    UNAVERAGED)
         return
     with _Timed(trainer), trainer.consensus_view():
         if out is not None:

@@ -189,6 +189,10 @@ class Trainer(threading.Thread):
         self._round: averaging.Snapshot | None = None
         self._deferred: list[m.ControlMsg] = []
         self.consensus: list[torch.Tensor] | None = None
+        # the latest average left this rank out (its collective failed, or the broker's
+        # consensus did not take it): its parameters are its own, not a consensus, until
+        # the next average; what needs a consensus (eval, checkpoint, bundle) is refused
+        self.unaveraged = False
         self._refused: set[str] = set()  # reasons already warned about
 
     # ------------------------------------------------------------------ set-up
@@ -468,11 +472,11 @@ class Trainer(threading.Thread):
             log.warning("rank %d: averaging failed (%s); carrying %d steps to the next one",
                         self.rank, exc, steps)
             self._leave_group()
-            self._carry = steps
+            self._carry, self.unaveraged = steps, True
             self.outbox(m.SyncAck(rank=self.rank, step_count=self.step, divergence=0.0,
                                   failed=True))
         else:
-            self._carry = 0
+            self._carry, self.unaveraged = 0, False
             self.outbox(m.SyncAck(rank=self.rank, step_count=self.step,
                                   divergence=result.divergence, post_norm=result.post_norm,
                                   pre_norm=result.pre_norm))
@@ -521,6 +525,7 @@ class Trainer(threading.Thread):
             result, self.consensus = averaging.apply_consensus(
                 self.flat, snap, arrived.blob or b"", alpha=alpha,
                 measure=run.policy is not m.Policy.SYNC)
+            self.unaveraged = False
             self.outbox(m.SyncAck(rank=self.rank, step_count=snap.step,
                                   divergence=result.divergence, post_norm=result.post_norm,
                                   pre_norm=result.pre_norm))
@@ -531,6 +536,7 @@ class Trainer(threading.Thread):
                         self.rank, msg.version, arrived.error or "snapshot not accepted",
                         snap.steps)
             self._carry += snap.steps
+            self.unaveraged = True
             self.outbox(m.SyncAck(rank=self.rank, step_count=snap.step, divergence=0.0,
                                   failed=True))
         self.ready_at = time.perf_counter()

@@ -8,7 +8,8 @@ import time
 from typing import Any
 
 import pytest
-from worker_harness import BATCH, N, Rank, plan, spec, window
+import torch.distributed as dist
+from worker_harness import BATCH, N, Rank, plan, run_config, spec, window
 
 from ddpbus.codecs import messages as m
 from ddpbus.worker_agent.spec import WorkerContext
@@ -101,3 +102,52 @@ def test_a_plan_that_ends_the_dataset_with_a_short_batch_is_trained() -> None:
     rank.stop()
     assert rank.refused == []
     assert [(x.epoch, x.batches_processed) for x in rank.of(m.MetricsMsg)] == [(0, 2), (1, 1)]
+
+
+def test_a_rank_whose_average_failed_saves_and_scores_nothing_until_the_next_one(
+        tmp_path: Any) -> None:
+    """The collective closing an epoch failed on this rank (a peer died in it): its
+    parameters are its own. The eval, checkpoint and bundle queued behind that SyncNow are
+    refused, not run on them (a bundle would claim the epoch over parameters no average
+    made); the next average that succeeds lifts that."""
+    evals: list[float] = []
+    checkpoints: list[int] = []
+    bundles: list[int] = []
+
+    def eval_fn(model: Any, _data: Any) -> float:
+        evals.append(1.0)
+        return 0.5
+
+    rank = Rank(spec(eval_fn=eval_fn, eval_dataset=[0],
+                     checkpoint_fn=lambda version, _model: checkpoints.append(version)),
+                out_dir=tmp_path, bundle_sink=lambda version, _b, _meta: bundles.append(version))
+    rank.trainer.configure(run_config(backend=m.Backend.GLOO), world_size=2)
+    closing = (m.ExecuteEvalCallback(schedule_id=1, epoch=0, target_rank=0),
+               m.Checkpoint(version=1, target_rank=0),
+               m.SaveConsensusModel(target_rank=0, version=1, bundle_meta='{"epoch": 1}'))
+    rank.put(window(plan(0, 0, BATCH)))
+    rank.trainer.start()
+    rank.wait_steps(1)
+    rank.put(m.SyncNow(), *closing)  # no communicator session: the collective fails
+    rank.wait_for(lambda: len(rank.of(m.CheckpointResult)) == 1)
+    assert [a.failed for a in rank.of(m.SyncAck)] == [True]
+    [result] = rank.of(m.EvalResult)
+    assert result.error is not None
+    assert "latest average failed" in result.error
+    assert "latest average failed" in (rank.of(m.CheckpointResult)[0].error or "")
+    assert (evals, checkpoints, bundles) == ([], [], [])
+    assert not (tmp_path / "consensus.safetensors").exists()
+    # a session of one and an average that succeeds: the same requests are carried out
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        rank.trainer.group_ready = True
+        rank.put(m.SyncNow(), *closing)
+        rank.wait_for(lambda: len(rank.of(m.CheckpointResult)) == 2)
+    finally:
+        rank.stop()  # its exit leaves the group
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert [a.failed for a in rank.of(m.SyncAck)] == [True, False]
+    assert rank.of(m.EvalResult)[-1].error is None
+    assert (evals, checkpoints, bundles) == ([1.0], [1], [1])
+    assert (tmp_path / "consensus.safetensors").exists()
