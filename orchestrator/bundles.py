@@ -128,8 +128,11 @@ async def write(js: JetStreamContext, job: str, version: int, blobs: Mapping[str
     else:
         manifest = await asyncio.to_thread(_write_directory, directory, job, version, blobs,
                                            meta)
-    if await _commit(js, job, manifest) and directory is None:
-        await _prune(js, job, version)
+    if await _commit(js, job, manifest):
+        if directory is None:
+            await _prune(js, job, version)
+        else:  # the directory's pointer follows the committed one, never back in time
+            await asyncio.to_thread(_point_latest, directory, manifest)
     return manifest
 
 
@@ -175,8 +178,18 @@ def _write_directory(directory: Path, job: str, version: int, blobs: Mapping[str
     manifest = Manifest(job=job, version=version, parts=parts, meta=dict(meta),
                         store={"kind": "dir", "path": str(directory.resolve())})
     _atomic_write(directory / f"v{version}" / "manifest.json", manifest.to_json())
-    _atomic_write(directory / "latest.json", manifest.to_json())
     return manifest
+
+
+def _point_latest(directory: Path, manifest: Manifest) -> None:
+    """``latest.json`` names ``manifest`` unless it names a newer version already: a
+    slower write of an older bundle that committed first must not land its pointer last
+    (``--resume DIR`` reads only this file)."""
+    path = directory / "latest.json"
+    with contextlib.suppress(OSError, BundleError):
+        if Manifest.from_json(path.read_bytes(), str(path)).version >= manifest.version:
+            return
+    _atomic_write(path, manifest.to_json())
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -87,3 +87,20 @@ async def test_an_older_bundle_written_late_never_replaces_a_newer_one(nc: Clien
     newer = await bundles.write(js, "old", 5, blobs(5), {"epoch": 5})
     await bundles.write(js, "old", 4, blobs(4), {"epoch": 4})  # a slow writer, late
     assert await bundles.latest(js, "old") == newer
+
+
+async def test_a_directorys_latest_never_goes_back_to_an_older_bundle(nc: Client,
+                                                                      tmp_path: Path) -> None:
+    """`--resume DIR` reads only latest.json: the late, older write leaves it (and the KV
+    key) at the newer bundle; its own files are complete all the same."""
+    js = nc.jetstream()
+    await ensure_job(js, "old", 2)
+    vol = tmp_path / "vol"
+    newer = await bundles.write(js, "old", 6, blobs(6), {"epoch": 6}, directory=vol)
+    await bundles.write(js, "old", 5, blobs(5), {"epoch": 5}, directory=vol)  # late
+    assert await bundles.latest(js, "old") == newer
+    assert bundles.read_directory(vol) == newer
+    assert bundles.read_directory(vol / "v5").version == 5
+    # the pointer itself never goes back (an older commit whose pointer lands last)
+    bundles._point_latest(vol, bundles.read_directory(vol / "v5"))
+    assert bundles.read_directory(vol).version == 6
