@@ -54,6 +54,7 @@ class RunMonitor:
         self.ranks = [RankView() for _ in range(workers)]
         self.run: m.RunConfig | None = None
         self.epoch = 0
+        self.first_epoch: int | None = None  # a resumed run starts past 0
         self.epochs_done = 0
         self.rounds = 0
         self.loss: float | None = None
@@ -81,9 +82,9 @@ class RunMonitor:
         elif isinstance(body, m.Accept):
             self.run = body.run
         elif isinstance(body, m.StartEpoch):
-            self.epoch = max(self.epoch, body.plan.epoch)
+            self._plans([body.plan.epoch])
         elif isinstance(body, m.SetGlobalStep) and body.plans:
-            self.epoch = max(self.epoch, *(p.plan.epoch for p in body.plans))
+            self._plans([p.plan.epoch for p in body.plans])
         elif isinstance(body, m.SyncNow):
             self.rounds += 1
         elif isinstance(body, m.EpochAggregated):
@@ -92,13 +93,19 @@ class RunMonitor:
         elif isinstance(body, m.EvalBroadcast):
             self.eval = (body.epoch, body.metric)
 
+    def _plans(self, epochs: list[int]) -> None:
+        if self.first_epoch is None:
+            self.first_epoch = min(epochs)
+        self.epoch = max(self.epoch, *epochs)
+
     # ---------------------------------------------------------------- display
 
     def total_batches(self) -> int | None:
+        """The batches this run trains: a resumed one only its remaining epochs'."""
         run = self.run
         if run is None:
             return None
-        return run.epochs * (run.dataset_size // run.batch_size)
+        return (run.epochs - (self.first_epoch or 0)) * (run.dataset_size // run.batch_size)
 
     def renderable(self, progress: Progress, task: Any) -> Group:
         now = time.monotonic()
@@ -137,11 +144,15 @@ def final_table(summary: dict[str, Any]) -> Table:
     table = Table(title="ddpbus run", show_header=False, box=None)
     acc = summary.get("test_accuracy")
     losses = [x for x in summary.get("loss", []) if x is not None]
+    resumed = (summary.get("coverage") or {}).get("resumed_epochs") or 0
+    eval_epoch = summary.get("test_accuracy_epoch")
     rows = [
         ("result", "ok" if summary.get("ok") else f"FAILED: {summary.get('reason')}"),
-        ("eval metric (last epoch)", "-" if acc is None else f"{acc:.4f}"),
+        ("eval metric" + ("" if eval_epoch is None else f" (epoch {eval_epoch})"),
+         "-" if acc is None else f"{acc:.4f}"),
         ("final epoch loss", "-" if not losses else f"{losses[-1]:.4f}"),
-        ("epochs", f"{summary.get('epochs')}/{summary.get('epochs_planned')}"),
+        ("epochs", f"{(summary.get('epochs') or 0) + resumed}/{summary.get('epochs_planned')}"
+         + (f" ({resumed} of them resumed from a bundle)" if resumed else "")),
         ("wall time", "-" if summary.get("wall_s") is None else f"{summary['wall_s']:.2f} s"),
         ("averaging rounds", str(summary.get("rounds"))),
         ("global step", str(summary.get("global_step"))),

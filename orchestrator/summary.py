@@ -57,8 +57,10 @@ def summarize(s: State) -> dict[str, Any]:
         "train_s": (s.settled_at - s.first_batch_at)
         if s.first_batch_at is not None and s.settled_at is not None else None,
         "test_accuracy": last_eval[1] if last_eval else None,
+        "test_accuracy_epoch": last_eval[0] if last_eval else None,  # the latest that came
         "eval": [{"epoch": e, "metric": v} for e, v in s.eval_history],
         "loss": [_num(e.avg_loss) for e in s.aggregated],
+        "loss_epochs": [e.epoch for e in s.aggregated],  # after a resume, not from 0
         "batch_share": {str(r): (b / total if total else 0.0) for r, b in batches.items()},
         "batches": {str(r): b for r, b in batches.items()},
         "compute_ms": _per_rank(s.rank_compute_ms),

@@ -13,11 +13,13 @@ import pytest
 import torch
 from cluster_sim import Sim
 from core_harness import Core, hello, records
+from rich.console import Console
 
 from ddpbus.codecs import messages as m
 from ddpbus.orchestrator import bundles, resume
 from ddpbus.orchestrator.config import schedule_from
 from ddpbus.orchestrator.elche import ElChe
+from ddpbus.orchestrator.progress import final_table
 from ddpbus.orchestrator.state import Joined
 from ddpbus.orchestrator.summary import summarize
 from ddpbus.worker_agent import checkpoint
@@ -89,6 +91,12 @@ def test_a_resumed_run_trains_only_the_later_epochs_and_proves_the_whole_run() -
     assert second.state.elche.calibrations > point.elche["calibrations"]
     assert summary["epochs"] == 2  # aggregated by this run
     assert [e.epoch for e in second.state.aggregated] == [2, 3]
+    assert summary["loss_epochs"] == [2, 3]  # the loss list says which epochs it holds
+    # the final table counts the whole run
+    console = Console(record=True, width=120)
+    console.print(final_table(summary))
+    rows = {line.split()[0]: line for line in console.export_text().splitlines() if line}
+    assert f"{EPOCHS}/{EPOCHS} (2 of them resumed from a bundle)" in rows["epochs"], rows
     # a bundle written by the resumed run carries the whole run's proof
     last = json.loads(saved(second)[-1].bundle_meta)
     assert [c["epoch"] for c in last["coverage"]] == [0, 1, 2, 3]
@@ -192,6 +200,7 @@ def _blobs() -> tuple[dict[str, bytes], torch.nn.Module, torch.optim.Optimizer]:
 def test_a_directory_bundle_round_trips_and_a_tampered_one_is_refused(tmp_path: Path) -> None:
     blobs, model, opt = _blobs()
     written = bundles._write_directory(tmp_path, "old", 3, blobs, {"epoch": 3})
+    bundles._point_latest(tmp_path, written)  # what write() does once KV committed it
     for source in (tmp_path, tmp_path / "v3", tmp_path.parent / tmp_path.name):
         found = bundles.read_directory(source)
         assert found == written
