@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional
 from torch.utils.data import TensorDataset
 
-from ddpbus.worker_agent import TrainSpec, record_scalar
+from ddpbus.worker_agent import TrainSpec, current, record_scalar
 
 SPLIT_SEED = 0
 TEST_FRACTION = 0.2
@@ -61,10 +61,12 @@ def accuracy(model: nn.Module, dataset: TensorDataset) -> float:
 
 
 def cosine(world_size: int) -> Callable[[int], float]:
-    """LR by global step: cosine from BASE_LR to 5 % of it over the whole run."""
-    total = EPOCHS * (len(TRAIN) // 32)
+    """LR by global step: cosine from BASE_LR to 5 % of it over the whole run, as long as
+    the run's settings make it (``--epochs``, ``--batch-size``, a resumed run's total)."""
 
     def lr(step: int) -> float:
+        run = current()  # called on the rank, between batches
+        total = max(1, run.epochs * (len(TRAIN) // run.batch_size))
         t = min(step / total, 1.0)
         return BASE_LR * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t)))
 

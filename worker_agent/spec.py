@@ -25,6 +25,7 @@ import importlib
 import importlib.util
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,23 +77,45 @@ class TrainSpec:
     knobs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("model", "optimizer", "train_step"):
-            if not callable(getattr(self, name)):
-                raise ConfigError(f"TrainSpec.{name} must be callable")
-        for name in ("lr_scheduler", "eval_fn", "checkpoint_fn", "epoch_fn", "collate_fn"):
-            value = getattr(self, name)
-            if value is not None and not callable(value):
-                raise ConfigError(f"TrainSpec.{name} must be callable or None")
-        if self.dataset is None:
-            raise ConfigError("TrainSpec.dataset is required")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ConfigError("TrainSpec.max_grad_norm must be > 0")
+        self._check_callables()
+        self._check_data()
         if not isinstance(self.knobs, Mapping):
             raise ConfigError("TrainSpec.knobs must be a mapping of knob name to value")
         for reserved in ("policy", "backend", "batch_size", "epochs"):
             if reserved in self.knobs:
                 raise ConfigError(f"set {reserved} as TrainSpec({reserved}=...), not in knobs")
         self.schedule()  # refuse unknown knobs and bad values now, not at run time
+
+    def _check_callables(self) -> None:
+        for name in ("model", "optimizer", "train_step"):
+            if not callable(getattr(self, name)):
+                raise ConfigError(f"TrainSpec.{name} must be callable")
+        from torch import nn  # the user's spec module imported torch already
+
+        if isinstance(self.model, nn.Module):  # callable too, but one shared instance
+            raise ConfigError("TrainSpec.model must be a factory that builds the model (e.g. "
+                              f"model={type(self.model).__name__}, not model="
+                              f"{type(self.model).__name__}()): every rank builds its own")
+        for name in ("lr_scheduler", "eval_fn", "checkpoint_fn", "epoch_fn", "collate_fn"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise ConfigError(f"TrainSpec.{name} must be callable or None")
+
+    def _check_data(self) -> None:
+        if self.dataset is None:
+            raise ConfigError("TrainSpec.dataset is required")
+        for name in ("dataset", "eval_dataset"):
+            value = getattr(self, name)
+            if value is not None and not _indexable(value) and not callable(value):
+                raise ConfigError(f"TrainSpec.{name} must be an indexable dataset (with "
+                                  "__len__ and __getitem__, e.g. a torch Dataset) or a "
+                                  f"function that builds one, not a {type(value).__name__}")
+        if self.max_grad_norm is not None and (
+                isinstance(self.max_grad_norm, bool)
+                or not isinstance(self.max_grad_norm, int | float)
+                or not self.max_grad_norm > 0):
+            raise ConfigError(f"TrainSpec.max_grad_norm must be a number > 0, not "
+                              f"{self.max_grad_norm!r}")
 
     def schedule(self, overrides: Mapping[str, Any] | None = None) -> Schedule:
         """The spec's settings, then ``overrides`` (command-line flags), checked."""
@@ -121,6 +144,8 @@ def load_spec(reference: str) -> TrainSpec:
         module = _import_file(path) if path.is_file() else importlib.import_module(target)
     except ImportError as exc:
         raise ConfigError(f"cannot import spec module {target!r}: {exc}") from exc
+    except (TypeError, ValueError) as exc:  # e.g. TrainSpec(...) without a required field
+        raise ConfigError(f"spec module {target!r} failed to load: {_where(exc)}") from exc
     spec = getattr(module, attr, None)
     if spec is None:
         raise ConfigError(f"{target} has no attribute {attr!r}")
@@ -129,6 +154,18 @@ def load_spec(reference: str) -> TrainSpec:
     if not isinstance(spec, TrainSpec):
         raise ConfigError(f"{reference} is a {type(spec).__name__}, not a ddpbus TrainSpec")
     return spec
+
+
+def _indexable(value: Any) -> bool:
+    return hasattr(value, "__getitem__") and hasattr(value, "__len__")
+
+
+def _where(exc: BaseException) -> str:
+    """The error and the line of the spec's own code that raised it."""
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+    mine = [f for f in frames if "importlib" not in f.filename] or frames
+    return f"{type(exc).__name__}: {exc}" + (
+        f" (at {mine[-1].filename}:{mine[-1].lineno})" if mine else "")
 
 
 def _import_file(path: Path) -> Any:
@@ -152,6 +189,8 @@ class WorkerContext:
 
     rank: int
     world_size: int
+    epochs: int = 0  # the run's, as the coordinator set them (--epochs, a resume's total)
+    batch_size: int = 0
     epoch: int = 0
     global_step: int = 0
     local_step: int = 0

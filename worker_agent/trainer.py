@@ -204,6 +204,7 @@ class Trainer(threading.Thread):
                              f"{run.dataset_size}")
         self.run_config, self.world_size = run, world_size
         self.ctx.world_size = world_size
+        self.ctx.epochs, self.ctx.batch_size = run.epochs, run.batch_size
         self._lr_scale = 1.0 + (world_size - 1) * run.lr_scale_ratio
         base = [float(g["lr"]) for g in self.optimizer.param_groups]
         self._group_ratios = [b / base[0] if base[0] else 1.0 for b in base]
