@@ -8,7 +8,8 @@ built it. Only this module and its callers import nats; codecs never does.
   it keeps pull requests outstanding so a stored message is delivered at once, re-requests
   when a request expires, notices a silent server through idle heartbeats (nats-py's own
   pull subscription can stall after a server restart), and acks with AckAll once per burst
-  (every 64 messages, or after 50 ms of quiet), not once per message.
+  (every 64 messages, or after 50 ms of quiet), not once per message. While its consumer
+  is missing (503 No Responders) it asks again with back-off (50 ms doubling to 2 s).
 - :class:`Publisher` publishes to the job stream in order with acks pipelined, and retries a
   failed publish with the same ``Nats-Msg-Id`` (a duplicate is dropped by the stream).
   Messages submitted with ``acked=False`` (the per-batch reports) go out as plain publishes
@@ -40,6 +41,7 @@ from nats.js.errors import (
     KeyNotFoundError,
     KeyWrongLastSequenceError,
     NotFoundError,
+    TooManyStalledMsgsError,
 )
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
@@ -312,6 +314,9 @@ ACK_DELAY_S = 0.05
 YIELD_EVERY = 16
 """StreamReader lets other tasks run after this many messages of a burst it is working
 through (a handler that never suspends would otherwise hold the loop for the whole burst)."""
+AWAY_BACKOFF_S = (0.05, 2.0)
+"""While its consumer does not answer a pull request (deleted: 503 No Responders), a
+StreamReader asks again after a pause that doubles from the first value up to the second."""
 
 
 class NotApplied(Exception):
@@ -348,6 +353,8 @@ class StreamReader:
         self._inbox = ""
         self._last: Msg | None = None  # the newest message handled and not acked yet
         self._unacked = 0  # messages handled since the last ack
+        self._away_since: float | None = None  # the consumer stopped answering (loop time)
+        self._retry_in = 0.0  # pause before the next pull request while it is away
 
     async def _request(self) -> None:
         body = {"batch": self._batch, "expires": int(self._expires * 1e9),
@@ -406,6 +413,8 @@ class StreamReader:
         if self._entitled is not None and not await self._entitled():
             await asyncio.sleep(0.2)
             return False
+        if self._retry_in:  # the consumer is away: do not hammer the server
+            await asyncio.sleep(self._retry_in)
         try:
             await self._request()
         except _NATS_ERRORS:  # no connection right now: try again shortly
@@ -432,6 +441,7 @@ class StreamReader:
         if status:
             self._on_status(status, msg)
             return
+        self._back()
         self._pending -= 1
         self.delivered += 1
         where = sj.delivery(msg.reply)  # (nats-py's msg.metadata: ~10 us a message)
@@ -460,16 +470,34 @@ class StreamReader:
 
     def _on_status(self, status: str, msg: Msg) -> None:
         if status == "100":
+            self._back()
             return  # idle heartbeat: the server is alive and our request stands
         left = (msg.headers or {}).get("Nats-Pending-Messages")
         if status in ("408", "409") and left is not None and left.isdigit():
+            self._back()
             self._pending = max(0, self._pending - int(left))
         elif status in ("404", "408", "409"):
+            self._back()
             self._pending = 0
-        else:
-            log.warning("consumer %s: unexpected status %s %s", self._api, status,
-                        (msg.headers or {}).get("Description", ""))
+        else:  # 503 No Responders: no such consumer (deleted, or not re-created yet)
             self._pending = 0
+            low, high = AWAY_BACKOFF_S
+            self._retry_in = min(high, max(low, 2 * self._retry_in))
+            if self._away_since is None:  # once per outage, not once per request
+                self._away_since = asyncio.get_running_loop().time()
+                # (nats-py puts the next header line into a bare 503's Description)
+                why = ("no responders: the consumer is missing" if status == "503" else
+                       str((msg.headers or {}).get("Description", "")).strip())
+                log.warning("consumer %s: status %s (%s); asking again with back-off, up to "
+                            "every %.0fs, until it answers", self._api, status, why, high)
+
+    def _back(self) -> None:
+        """The consumer answered: end an outage, if there was one."""
+        if self._away_since is not None:
+            log.warning("consumer %s: answering again after %.1fs", self._api,
+                        asyncio.get_running_loop().time() - self._away_since)
+            self._away_since = None
+        self._retry_in = 0.0
 
     async def _ack(self, msg: Msg) -> None:
         try:
@@ -487,10 +515,20 @@ class Publisher:
     submission order with up to ``window`` acks outstanding and checks every ack; a failed
     publish is retried with back-off (same ``Nats-Msg-Id``). :meth:`flush` waits until
     everything submitted so far is stored.
+
+    A message still not stored after ``retry_deadline`` seconds of connected retries is given
+    up: :attr:`failed` says so, ``on_failed`` is called with it at once (it must not block),
+    and :meth:`failure` returns it to whoever awaits it.
+
+    The context's ``publish_async`` is this Publisher's alone: each call takes one of
+    nats-py's pending slots (``publish_async_max_pending``), given back only when its future
+    is done, so every future whose ack will not come (re-published, or its publish failed)
+    is cancelled here.
     """
 
     def __init__(self, js: JetStreamContext, *, window: int = 512, ack_timeout: float = 5.0,
-                 retry_deadline: float = 60.0) -> None:
+                 retry_deadline: float = 60.0,
+                 on_failed: Callable[[PublishFailed], None] | None = None) -> None:
         self._js = js
         self._nc: Client = js._nc  # the context's own connection
         self._queue: asyncio.Queue[tuple[Outbound, bool]] = asyncio.Queue()
@@ -509,7 +547,9 @@ class Publisher:
         self._outstanding = 0  # submitted and not yet stored (or given up)
         self._unstored: deque[Outbound] = deque()  # acked submissions not yet stored, in order
         self.published = 0
-        self.failed: PublishFailed | None = None
+        self.failed: PublishFailed | None = None  # the first message given up
+        self._on_failed = on_failed
+        self._failed = asyncio.Event()
 
     def submit(self, out: Outbound, *, acked: bool = True) -> None:
         self._outstanding += 1
@@ -545,14 +585,37 @@ class Publisher:
             checker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await checker
+            for _, fut, _ in self._inflight:
+                fut.cancel()  # no one waits for these acks: their slots go back
 
     async def _send(self, out: Outbound, loop: asyncio.AbstractEventLoop) -> None:
         try:
-            fut = await self._js.publish_async(out.subject, out.payload, headers=out.headers)
-        except _NATS_ERRORS:  # e.g. no connection now: resent in order by the checker
+            # all slots taken (it should not happen): resent later by the checker rather
+            # than wait here for good, holding _sending, which the resend needs
+            fut = await self._js.publish_async(out.subject, out.payload, headers=out.headers,
+                                               wait_stall=self._ack_timeout)
+        except _NATS_ERRORS as exc:  # e.g. no connection now: resent in order by the checker
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # nats-py reports a cancelled wait for a slot as TooManyStalledMsgsError
+                raise asyncio.CancelledError from exc
+            if not isinstance(exc, TooManyStalledMsgsError):
+                self._drop_orphan()
             fut = loop.create_future()
-            fut.set_exception(ConnectionError("publish_async failed"))
+            fut.set_exception(ConnectionError(f"publish_async failed: {exc!r}"))
         self._inflight.append((out, fut, loop.time()))
+
+    def _drop_orphan(self) -> None:
+        """A publish_async that failed after taking its slot (the publish itself raised: no
+        connection) left its future registered, and no ack will ever complete it: cancel
+        it, which gives its slot back. Nothing ran between its registration and the raise,
+        so it is the context's newest future, and none of ours."""
+        futures: dict[str, asyncio.Future[PubAck]] = getattr(
+            self._js, "_publish_async_futures", {})
+        newest = next(reversed(futures.values()), None)
+        if newest is None or newest.done() or any(newest is f for _, f, _ in self._inflight):
+            return
+        newest.cancel()
 
     def disconnected(self) -> None:
         """The link broke: nothing new goes out until what was in flight is resent."""
@@ -614,6 +677,7 @@ class Publisher:
             out, fut, sent = self._inflight[i]
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 continue
+            fut.cancel()  # superseded: its ack will not be waited for, its slot goes back
             await self._retry(out)
             stored: asyncio.Future[PubAck] = loop.create_future()
             stored.set_result(PubAck(stream="", seq=0))
@@ -654,9 +718,26 @@ class Publisher:
                 with attempt:
                     await publish(self._js, out, ack_timeout=self._ack_timeout)
         except (*_NATS_ERRORS, ConnectionError) as exc:
-            self.failed = PublishFailed(f"{out.headers.get('Ddpbus-Type')} on {out.subject} "
-                                        f"not stored after {self._retry_deadline:.0f}s: {exc}")
-            log.error("%s", self.failed)  # noqa: TRY400 - said once, then the owner fails
+            failed = PublishFailed(f"{out.headers.get('Ddpbus-Type')} on {out.subject} "
+                                   f"not stored after {self._retry_deadline:.0f}s: {exc}")
+            log.error("%s", failed)  # noqa: TRY400 - said once, then the owner fails
+            if self.failed is None:
+                self.failed = failed
+                self._failed.set()
+            if self._on_failed is not None:
+                try:
+                    self._on_failed(failed)
+                except Exception:
+                    log.exception("the publisher's on_failed callback raised")
+
+    async def failure(self) -> PublishFailed:
+        """Wait until a message is given up (not stored after the retry deadline) and
+        return the first one's error: an owner awaits this to fail at once rather than
+        at its next :meth:`flush`."""
+        await self._failed.wait()
+        if self.failed is None:  # pragma: no cover - set together
+            raise AssertionError("failure event set without a failure")
+        return self.failed
 
     async def flush(self, within: float = 10.0) -> bool:
         """True when everything submitted so far was stored within ``within`` seconds."""

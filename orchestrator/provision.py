@@ -128,7 +128,9 @@ async def ensure_job(js: JetStreamContext, job: str, world_size: int,
     """Create or update the job's stream, KV bucket and durable consumers.
 
     Safe to call any number of times, from any process: existing resources with the
-    same layout are left alone; a larger ``world_size`` adds the missing rank consumers.
+    same layout are left alone; a larger ``world_size`` adds the missing rank consumers; an
+    existing consumer gets the current filters but keeps where it starts delivering (a
+    coordinator's takeover may have re-created its durable from a stream sequence).
     """
     sj.check_job(job)
     if world_size < 1:
@@ -151,9 +153,38 @@ async def ensure_job(js: JetStreamContext, job: str, world_size: int,
     await bundles.object_store(js, job, create=True)
     names = []
     for consumer in consumer_configs(job, world_size, storage):
-        await js.add_consumer(config.name or "", consumer)  # creates, or updates in place
+        await _ensure_consumer(js, config.name or "", consumer)
         names.append(consumer.durable_name or "")
     return JobResources(stream=config.name or "", bucket=bucket, consumers=tuple(names))
+
+
+def _filters(config: ConsumerConfig) -> set[str]:
+    return set(config.filter_subjects or []) | ({config.filter_subject}
+                                                 if config.filter_subject else set())
+
+
+async def _ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerConfig) -> None:
+    """Create the durable ``config`` names, or bring an existing one's filters and ack
+    settings up to date. Where it starts delivering is never rewritten: a takeover
+    re-creates the coordinator's durable from its snapshot's stream sequence
+    (``DeliverPolicy.BY_START_SEQUENCE``), and nats-server refuses to change a deliver
+    policy in place (err_code 10012): the existing start position is carried over."""
+    name = config.durable_name or ""
+    try:
+        info = await js.consumer_info(stream, name)
+    except NotFoundError:
+        log.info("creating consumer %s on %s", name, stream)
+        await js.add_consumer(stream, config)
+        return
+    have = info.config
+    if (_filters(have) == _filters(config) and have.ack_wait == config.ack_wait
+            and have.max_ack_pending == config.max_ack_pending):
+        return
+    log.info("updating consumer %s on %s to the current layout", name, stream)
+    config.deliver_policy = have.deliver_policy
+    config.opt_start_seq = have.opt_start_seq
+    config.opt_start_time = have.opt_start_time
+    await js.add_consumer(stream, config)  # updates in place
 
 
 async def retire_consumers(js: JetStreamContext, job: str, world_size: int) -> int:

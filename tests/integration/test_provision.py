@@ -6,13 +6,14 @@ import subprocess
 import sys
 
 from nats.aio.client import Client
+from nats.js.api import DeliverPolicy
 
 from ddpbus.codecs import Decoder, Encoder
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.orchestrator.broker import EmbeddedBroker
 from ddpbus.orchestrator.bus import publish, publish_core
-from ddpbus.orchestrator.provision import ensure_job
+from ddpbus.orchestrator.provision import JobStorage, consumer_configs, ensure_job
 
 JOB_KEY = b"test-job-key-0123456789abcdef!!"
 
@@ -89,3 +90,28 @@ def test_init_job_cli(broker: EmbeddedBroker) -> None:
                          capture_output=True, text=True, timeout=60, check=True)
     assert "stream DDPBUS_prov" in out.stdout
     assert "rank-1" in out.stdout
+
+
+async def test_a_rewound_coordinator_consumer_survives_later_starts(nc: Client) -> None:
+    """A takeover re-creates the coordinator's durable to deliver from its snapshot's stream
+    sequence; every later start (a restart, a standby, ``init-job``) provisions the job
+    again: that must keep the start position (nats-server refuses to change a deliver
+    policy in place) and still bring filters up to date and add missing ranks."""
+    js = nc.jetstream()
+    res = await ensure_job(js, JOB, 2)
+    rewound = consumer_configs(JOB, 2, JobStorage())[0]  # as Coordinator._rewind_consumer
+    rewound.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
+    rewound.opt_start_seq = 5
+    rewound.filter_subjects = [sj.coordinator_filters(JOB)[0]]  # an older layout's filters
+    await js.delete_consumer(res.stream, sj.COORDINATOR_CONSUMER)
+    await js.add_consumer(res.stream, rewound)
+
+    for world_size in (2, 3, 3):  # restarts, one of them with a larger world
+        await ensure_job(js, JOB, world_size)
+    coordinator = (await js.consumer_info(res.stream, sj.COORDINATOR_CONSUMER)).config
+    assert coordinator.deliver_policy == DeliverPolicy.BY_START_SEQUENCE
+    assert coordinator.opt_start_seq == 5
+    assert coordinator.filter_subjects == sj.coordinator_filters(JOB)
+    rank = (await js.consumer_info(res.stream, sj.rank_consumer(2))).config
+    assert rank.deliver_policy == DeliverPolicy.ALL
+    assert rank.filter_subjects == sj.rank_filters(JOB, 2)

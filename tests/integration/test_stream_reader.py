@@ -6,6 +6,7 @@ everything acked once the burst is through."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -140,3 +141,52 @@ async def test_a_reader_no_longer_entitled_takes_and_acks_nothing(nc: Client) ->
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     assert successor == list(range(20))
+
+
+async def test_a_reader_whose_consumer_is_gone_backs_off_then_resumes(
+        nc: Client, caplog: pytest.LogCaptureFixture) -> None:
+    """A pull to a durable that no longer exists is answered 503 No Responders at once:
+    the reader must not re-ask in a busy loop (thousands of requests and warnings a
+    second) but back off, say so once, and read again once the durable is back."""
+    caplog.set_level(logging.INFO, logger=bus.log.name)
+    js = nc.jetstream()
+    stream = "READER_GONE"
+    await js.add_stream(StreamConfig(name=stream, subjects=["gone.>"]))
+    config = ConsumerConfig(durable_name="r", ack_policy=AckPolicy.ALL)
+    await js.add_consumer(stream, config)
+    seen: list[int] = []
+    arrived = asyncio.Event()
+
+    async def handler(msg: Msg) -> None:
+        seen.append(int(msg.data))
+        arrived.set()
+
+    reader = bus.StreamReader(nc, stream, "r", handler)
+    task = asyncio.create_task(reader.run())
+    try:
+        await nc.publish("gone.x", b"0")
+        await asyncio.wait_for(arrived.wait(), 10)
+        await js.delete_consumer(stream, "r")  # e.g. retired at the run's end
+        await asyncio.sleep(0.3)  # the reader notices
+        sent = nc.stats["out_msgs"]
+        await asyncio.sleep(1.0)
+        requests = nc.stats["out_msgs"] - sent
+        away = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(away) == 1, [r.getMessage() for r in away[:5]]
+        assert requests <= 10, f"{requests} pull requests in 1 s while the consumer was gone"
+
+        await js.add_consumer(stream, config)  # re-created: from the stream's start
+        arrived.clear()
+        await nc.publish("gone.x", b"1")
+        await asyncio.wait_for(arrived.wait(), 10)
+        while seen[-1] != 1:
+            arrived.clear()
+            await asyncio.wait_for(arrived.wait(), 10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert seen[0] == 0
+    assert seen[-1] == 1
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 2, warned  # gone once, back once
+    assert "answering again" in warned[1]
