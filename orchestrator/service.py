@@ -31,6 +31,7 @@ import signal
 import socket
 import time
 from collections import Counter, deque
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -110,6 +111,7 @@ class CoordinatorSettings:
     snapshot_every: float = journal.FULL_EVERY_S  # full snapshots at most this often
 
 
+EXIT_FAILED = 1  # the run ended not ok, or a task of this coordinator failed
 EXIT_DEPOSED = 3
 LATENCY_SAMPLES = 200_000
 SYNC_NOW: Final = convert.BY_CLASS[m.SyncNow].type_name  # its Ddpbus-Type header
@@ -152,6 +154,11 @@ class Coordinator:
         self._loaded = b""  # the snapshot taken over, as stored (re-written to fence)
         self._replayed = (0, 0)  # journal segments and events replayed on it
         self._background: set[asyncio.Task[Any]] = set()
+        # the first task that died of an unexpected exception (its name, the exception):
+        # the coordinator ends (see _spawn); set with ``_failed``
+        self.failure: tuple[str, BaseException] | None = None
+        self._failed = asyncio.Event()
+        self._closing = False  # _serve is stopping its tasks: what they raise is no failure
         self.metrics: CoordinatorMetrics | None = None  # with --metrics-port
         self._pending: int | None = None  # the coordinator consumer's backlog, last read
         # milliseconds, the newest LATENCY_SAMPLES of each (bounded for weeks-long runs):
@@ -195,7 +202,10 @@ class Coordinator:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(nc.close(), 5.0)
             if self._events_file is not None:
-                self._events_file.close()
+                try:
+                    self._events_file.close()
+                except OSError as exc:  # (a full disk: the failure said so already)
+                    log.warning("could not close %s: %s", self.settings.events_path, exc)
 
     async def _run(self, nc: Client) -> int:
         s = self.settings
@@ -221,7 +231,10 @@ class Coordinator:
                                generation=generation, wire_json=s.wire_json)
         # a rank's older incarnation is fenced: below the generation admitted last
         self.decoder = Decoder(job=s.job, key=s.key, generation_floor=self._rank_floor)
-        self.nc, self.publisher = nc, bus.Publisher(js)
+        # a message it gives up on (not stored after its retry deadline) leaves a gap in
+        # what the ranks were told: end here, a successor re-publishes from the snapshot
+        self.nc, self.publisher = nc, bus.Publisher(
+            js, on_failed=lambda exc: self._fail("publisher", exc))
         self.journal = journal.Writer(js, s.job, s.key, every=s.snapshot_every)
         self.reducer = reducer.Reducer(js, s.job, nc.max_payload)
         info = await js.stream_info(sj.stream_name(s.job))
@@ -242,6 +255,8 @@ class Coordinator:
                             "reducing it again", again.version)
                 self._start_reduce(again)
         result = await self._serve(nc)
+        if self.failure is not None:
+            return await self._abandon()
         if result is None:
             return EXIT_DEPOSED
         done, stored = result
@@ -319,6 +334,7 @@ class Coordinator:
         if snap is not None:
             snap = await self._fence(kv, snap)
         if snap is None:
+            await self._start_afresh(js)
             if s.resume is not None:
                 await self._adopt_bundle(js, kv, s.resume)
             self.state = initial_state(self.config, self.clock())
@@ -346,7 +362,7 @@ class Coordinator:
                                   self._on_stream, entitled=self._may_read)
         self.reader = reader
         live = await nc.subscribe(sj.LIVE_RANK.wildcard(s.job), cb=self._on_live)
-        tasks = [asyncio.create_task(c, name=n) for c, n in (
+        tasks = [self._spawn(c, n) for c, n in (
             (self.publisher.run(), "publisher"), (reader.run(), "stream-reader"),
             (self._ticker(), "ticker"), (self._beacon(), "coord-heartbeat"),
             (self._committer(), "committer"), (self.compactor.run(), "compactor"),
@@ -355,21 +371,24 @@ class Coordinator:
         if s.metrics_port is not None:
             self.metrics = CoordinatorMetrics(s.job)
             metrics_server = self.metrics.serve(s.metrics_port, s.metrics_host)
-            tasks.append(asyncio.create_task(self._watch_lag(nc), name="metrics-lag"))
+            tasks.append(self._spawn(self._watch_lag(nc), "metrics-lag"))
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self._signal, sig)
         log.info("coordinator generation %d for job %s: waiting for %d ranks", generation,
                  s.job, self.config.world_size)
         deposed = asyncio.create_task(self.lease.lost.wait(), name="deposed")
+        failed = asyncio.create_task(self._failed.wait(), name="failed")
         try:
-            # the committer ends only when deposed, or failing: then nothing decided from
-            # here on could be published, and the coordinator must not go on
+            # the committer ends only when deposed (or failing: _spawn); any task that
+            # fails leaves nothing decided from here on publishable, or nobody reading the
+            # stream, ticking or renewing: the coordinator must not go on
             committer = next(t for t in tasks if t.get_name() == "committer")
-            waits: list[asyncio.Future[Any]] = [self.finish, deposed, committer]
+            waits: list[asyncio.Future[Any]] = [self.finish, deposed, failed]
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            if not self.lease.lost.is_set() and not self.finish.done():
-                committer.result()  # its failure, raised here
+            if self._failed.is_set():
+                reader.silence()  # a successor rewinds the durable to its snapshot anyway
+                return None
             if self.lease.lost.is_set():
                 reader.silence()  # its acks would land on the successor's consumer
                 log.error("deposed: another coordinator took the lease; exiting without "
@@ -377,9 +396,13 @@ class Coordinator:
                 return None
             done = self.finish.result()
             await self._drain(committer)
+            if self._failed.is_set():
+                return None
             stored = await self.publisher.flush(30.0)
         finally:
+            self._closing = True
             deposed.cancel()
+            failed.cancel()
             if metrics_server is not None:
                 metrics_server.shutdown()
             for t in tasks:
@@ -392,11 +415,9 @@ class Coordinator:
     # ---------------------------------------------------------------- resuming
 
     async def _load_snapshot(self, js: Any, kv: Any) -> snapshot.Snapshot | None:
-        """The predecessor's snapshot, or None for a fresh job. A job with progress in its
-        stream but no usable snapshot cannot be resumed."""
-        info = await js.consumer_info(sj.stream_name(self.settings.job),
-                                      sj.COORDINATOR_CONSUMER)
-        progress = info.ack_floor is not None and (info.ack_floor.stream_seq or 0) > 0
+        """The predecessor's snapshot, or None for a job nothing was decided in yet (a
+        fresh one, or one whose predecessor read messages that led to no command: see
+        ``_start_afresh``). A snapshot that cannot be used cannot be resumed from."""
         try:
             entry = await kv.get(snapshot.SNAPSHOT_KEY)
             data = entry.value or b""
@@ -404,9 +425,6 @@ class Coordinator:
         except KeyNotFoundError:
             data = b""
         if not data:
-            if progress or (info.delivered is not None and (info.delivered.stream_seq or 0)):
-                raise JobInUse(f"job {self.settings.job!r} has a coordinator's progress in its "
-                               "stream but no snapshot to resume from; start a new job name")
             return None
         try:
             snap = snapshot.decode(data, self.settings.key)
@@ -480,6 +498,25 @@ class Coordinator:
             "phase": state.phase.value, "outbox": len(snap.outbox),
             "journal_segments": self._replayed[0], "journal_events": self._replayed[1],
             "away_s": round(now - snap.saved_at, 3)}))
+
+    async def _start_afresh(self, js: Any) -> None:
+        """No snapshot: nothing was ever decided in this job, since every command is
+        published only after a write-ahead record that covers it, and the first record is
+        always a full snapshot. A predecessor may still have read (and acked) messages
+        that led to no command: a Hello dropped for a bad signature, one refused, a
+        heartbeat. Starting from the initial state, they are read again from the start of
+        the stream (its durable rewound to sequence 1; the compactor purges nothing below
+        a stored snapshot, so the stream still holds them all) through the same core: the
+        state they lead to is the one the predecessor had, and nobody was told of it."""
+        info = await js.consumer_info(sj.stream_name(self.settings.job),
+                                      sj.COORDINATOR_CONSUMER)
+        read = max((x.stream_seq or 0 for x in (info.ack_floor, info.delivered)
+                    if x is not None), default=0)
+        if read:
+            log.warning("job %s: an earlier coordinator read its stream up to sequence %d "
+                        "but decided nothing (no snapshot): reading it again from the start",
+                        self.settings.job, read)
+            await self._rewind_consumer(js, 1)
 
     async def _rewind_consumer(self, js: Any, start_seq: int) -> None:
         """Re-create the coordinator's durable consumer to deliver from ``start_seq``."""
@@ -633,17 +670,58 @@ class Coordinator:
 
     async def _drain(self, committer: asyncio.Task[None]) -> None:
         """Until every command decided so far is stored in a snapshot and submitted (or
-        the committer ended: deposed, or failing, raised here)."""
+        the committer ended: deposed; or a task failed, ``self.failure``)."""
         lost = asyncio.ensure_future(self.lease.lost.wait())
         committed = asyncio.ensure_future(self._committed.wait())
+        failed = asyncio.ensure_future(self._failed.wait())
         try:
-            await asyncio.wait([lost, committed, committer],
+            await asyncio.wait([lost, committed, committer, failed],
                                return_when=asyncio.FIRST_COMPLETED)
         finally:
             lost.cancel()
             committed.cancel()
-        if committer.done() and not self.lease.lost.is_set():
-            committer.result()
+            failed.cancel()
+
+    # ------------------------------------------------------------ supervision
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """Start a task under watch: one that dies of an unexpected exception (a core bug,
+        an OSError writing --events on a full disk) ends the coordinator (``_serve``
+        returns, ``_abandon``) instead of leaving a process that beacons and renews its
+        lease while nobody reads the stream, ticks or publishes: its ranks would never
+        time out, and no standby would ever take over. Cancellation is not a failure,
+        nor is a task that returns (deposed: the lease's ``lost`` says so)."""
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(self._watch)
+        return task
+
+    def _watch(self, task: asyncio.Task[Any]) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self._fail(task.get_name(), exc)
+
+    def _fail(self, name: str, exc: BaseException) -> None:
+        """Task ``name`` failed (or the publisher gave a message up): end the coordinator."""
+        if self.failure is not None or self._closing:  # the first failure ends it
+            log.warning("%s failed while stopping: %s: %s", name, type(exc).__name__, exc)
+            return
+        self.failure = (name, exc)
+        log.error("coordinator task %s failed: %s: %s; exiting, the lease released (a "
+                  "successor resumes from the last snapshot)", name, type(exc).__name__, exc,
+                  exc_info=exc)
+        self._failed.set()
+
+    async def _abandon(self) -> int:
+        """A task failed (``self.failure``): stop whatever still runs in the background (a
+        reduce, an input being applied), then give the lease up so a standby or a restart
+        takes over at once, from the last write-ahead record (everything published is
+        covered by one; what was decided and not stored is decided again from the stream)."""
+        background = list(self._background)
+        for t in background:
+            t.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.gather(*background, return_exceptions=True), 5.0)
+        await self.lease.release()
+        return EXIT_FAILED
 
     def _carry_out(self, commands: list[Any]) -> list[Outbound]:
         job = self.settings.job
@@ -677,7 +755,7 @@ class Coordinator:
         async def reduce() -> None:
             result = await self.reducer.run(cmd)
             await self.apply(result)
-        task = asyncio.create_task(reduce(), name=f"reduce-{cmd.version}")
+        task = self._spawn(reduce(), f"reduce-{cmd.version}")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -801,7 +879,7 @@ class Coordinator:
             await self.reader.reconnected()
         if self.finish is not None and not self.finish.done():
             # off the client's callback: apply may wait for the lock and the store
-            task = asyncio.create_task(self.apply(BusRestored(away)), name="bus-restored")
+            task = self._spawn(self.apply(BusRestored(away)), "bus-restored")
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
@@ -817,4 +895,4 @@ class Coordinator:
     def _signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
         log.info("%s: asking every rank to save and exit", name)
-        self._stopping = asyncio.ensure_future(self.apply(Stop(reason=f"stopped by {name}")))
+        self._stopping = self._spawn(self.apply(Stop(reason=f"stopped by {name}")), "stop")

@@ -21,6 +21,7 @@ import signal
 import socket
 import time
 from collections import Counter
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -118,6 +119,11 @@ class WorkerAgent:
         self._bundles: list[concurrent.futures.Future[None]] = []  # bundle writes in flight
         self._bundle_lock: asyncio.Lock | None = None  # one at a time, in version order
         self._rounds: ObjectStore | None = None  # the broker backend's round bucket
+        self._tasks: list[asyncio.Task[Any]] = []
+        # the first of this agent's tasks that died of an unexpected exception: its name and
+        # the exception (the rank ends: see _spawn)
+        self.failure: tuple[str, BaseException] | None = None
+        self._closing = False  # _run is stopping the tasks: what they raise is no failure
 
     # ------------------------------------------------------------------ entry
 
@@ -167,24 +173,62 @@ class WorkerAgent:
         self.decoder = Decoder(job=s.job, key=s.key,
                                generation_floor=lambda sender: self._floor
                                if sender == sj.COORDINATOR else 0)
-        self.nc, self.js, self.publisher = nc, js, bus.Publisher(js)
+        # a report it gives up on (not stored after its retry deadline) is a gap the
+        # coordinator never hears of: the rank ends, and restarted it rejoins
+        self.nc, self.js = nc, js
+        self.publisher = bus.Publisher(js, on_failed=lambda exc: self._fail("publisher", exc))
         self._admitted = self.loop.create_future()
         self._done = self.loop.create_future()
         reader = bus.StreamReader(nc, sj.stream_name(s.job), sj.rank_consumer(s.rank),
                                   self._on_control)
         self.reader = reader
         live = await nc.subscribe(sj.LIVE_COORDINATOR.subject(s.job), cb=self._on_live)
-        tasks = [asyncio.create_task(c, name=n) for c, n in (
-            (self.publisher.run(), "publisher"), (reader.run(), "control-reader"))]
-        self._tasks = tasks
+        for c, n in ((self.publisher.run(), "publisher"), (reader.run(), "control-reader")):
+            self._spawn(c, n)
         self._install_signals()
         try:
-            return await self._lifecycle(trainer, device)
+            code = await self._lifecycle(trainer, device)
+            return EXIT_FAILED if self.failure is not None else code
         finally:
+            self._closing = True
             await live.unsubscribe()
-            for t in tasks:
+            for t in self._tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """Start one of the agent's tasks under watch: one that dies of an unexpected
+        exception ends the rank (``_fail``), rather than leave it beaconing while nobody
+        reads its control messages or publishes its reports (the coordinator would never
+        time it out, and its share of the work would wait forever). Cancellation is no
+        failure, nor is a task that returns (the watchdog does, once it gave up)."""
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(self._watch)
+        self._tasks.append(task)
+        return task
+
+    def _watch(self, task: asyncio.Task[Any]) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self._fail(task.get_name(), exc)
+
+    def _fail(self, name: str, exc: BaseException) -> None:
+        """Task ``name`` failed (or the publisher gave a message up): end the rank."""
+        if self.failure is not None or self._closing:  # the first failure ends it
+            log.warning("rank %d: %s failed while stopping: %s: %s", self.rank, name,
+                        type(exc).__name__, exc)
+            return
+        self.failure = (name, exc)
+        log.error("rank %d: task %s failed: %s: %s; ending this rank (restarted, it "
+                  "rejoins)", self.rank, name, type(exc).__name__, exc, exc_info=exc)
+        reason = f"task {name} failed: {type(exc).__name__}: {exc}"
+        for t in self._tasks:  # silent at once: the coordinator declares it dead
+            if t.get_name() == "heartbeat":
+                t.cancel()
+        if self._admitted is not None and not self._admitted.done():
+            self._admitted.set_exception(DdpbusError(reason))
+        elif self._done is not None and not self._done.done():
+            self.trainer.halt(reason, clean=False)
+            self._done.set_result(Outcome(clean=False, reason=reason))
 
     async def _lifecycle(self, trainer: Trainer, device: torch.device) -> int:
         s = self.settings
@@ -207,9 +251,9 @@ class WorkerAgent:
                  "rejoin" if self.resume_seq else "hello", self.generation, device)
         accept = await self._await_admission()
         if accept is None:
-            return EXIT_REJECTED
+            return EXIT_REJECTED if self.failure is None else EXIT_FAILED
         # beacons start once admitted: before that the coordinator does not know this rank
-        self._tasks.append(asyncio.create_task(self._beacon(), name="heartbeat"))
+        self._spawn(self._beacon(), "heartbeat")
         if not loaded:
             await asyncio.to_thread(self._run_weights, trainer, accept.run)
         trainer.configure(accept.run, accept.world_size)
@@ -218,7 +262,7 @@ class WorkerAgent:
         self._coordinator_timeout = accept.run.coordinator_timeout_s
         trainer.on_done = self._trainer_done
         trainer.start()
-        watchdog = asyncio.create_task(self._watch_coordinator(), name="coordinator-watchdog")
+        watchdog = self._spawn(self._watch_coordinator(), "coordinator-watchdog")
         try:
             outcome = await self._done_future()
         finally:
@@ -232,7 +276,8 @@ class WorkerAgent:
         stored = await self._settle_bundles()
         if outcome.clean:
             self._send(m.Exiting(rank=s.rank))
-        flushed = await self.publisher.flush(30.0)
+        # (the publisher may be the task that failed: then nothing more is stored)
+        flushed = await self.publisher.flush(30.0 if self.failure is None else 5.0)
         log.info("rank %d: %s (%s)", s.rank, "exiting" if outcome.clean else "failed",
                  outcome.reason)
         if not flushed:
@@ -543,7 +588,7 @@ class WorkerAgent:
             self.publisher.reconnected()
         if self.reader is not None:
             await self.reader.reconnected()
-        if self._admitted is not None and self._admitted.done():
+        if self._admitted is not None and self._admitted.done() and self.failure is None:
             await self._heartbeat()  # at once: the coordinator forgave silence until now
 
     async def _watch_coordinator(self) -> None:

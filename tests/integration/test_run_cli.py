@@ -56,7 +56,7 @@ def test_demo_trains_digits_to_95_percent_and_writes_the_summary(tmp_path: Path)
     assert summary["wall_s"] > 0
     assert set(summary["batch_share"]) == {"0", "1"}
     assert abs(sum(summary["batch_share"].values()) - 1.0) < 1e-9
-    for needle in ("eval metric (last epoch)", "averaging rounds", "rank 1 batch share"):
+    for needle in ("eval metric (epoch 19)", "averaging rounds", "rank 1 batch share"):
         assert needle in out.stdout
     run_dir = Path(summary["out_dir"])
     if not run_dir.is_absolute():
