@@ -79,6 +79,7 @@ from ddpbus.orchestrator.state import (
     event_of,
 )
 from ddpbus.orchestrator.summary import summarize
+from ddpbus.orchestrator.tasks import Watch
 
 log = logging.getLogger(__name__)
 events_log = logging.getLogger("ddpbus.orchestrator.events")
@@ -154,11 +155,8 @@ class Coordinator:
         self._loaded = b""  # the snapshot taken over, as stored (re-written to fence)
         self._replayed = (0, 0)  # journal segments and events replayed on it
         self._background: set[asyncio.Task[Any]] = set()
-        # the first task that died of an unexpected exception (its name, the exception):
-        # the coordinator ends (see _spawn); set with ``_failed``
-        self.failure: tuple[str, BaseException] | None = None
-        self._failed = asyncio.Event()
-        self._closing = False  # _serve is stopping its tasks: what they raise is no failure
+        # its tasks: the first to die of an unexpected exception ends the coordinator
+        self.watch = Watch("coordinator", self._failing)
         self.metrics: CoordinatorMetrics | None = None  # with --metrics-port
         self._pending: int | None = None  # the coordinator consumer's backlog, last read
         # milliseconds, the newest LATENCY_SAMPLES of each (bounded for weeks-long runs):
@@ -234,7 +232,7 @@ class Coordinator:
         # a message it gives up on (not stored after its retry deadline) leaves a gap in
         # what the ranks were told: end here, a successor re-publishes from the snapshot
         self.nc, self.publisher = nc, bus.Publisher(
-            js, on_failed=lambda exc: self._fail("publisher", exc))
+            js, on_failed=lambda exc: self.watch.fail("publisher", exc))
         self.journal = journal.Writer(js, s.job, s.key, every=s.snapshot_every)
         self.reducer = reducer.Reducer(js, s.job, nc.max_payload)
         info = await js.stream_info(sj.stream_name(s.job))
@@ -255,7 +253,7 @@ class Coordinator:
                             "reducing it again", again.version)
                 self._start_reduce(again)
         result = await self._serve(nc)
-        if self.failure is not None:
+        if self.watch.failure is not None:
             return await self._abandon()
         if result is None:
             return EXIT_DEPOSED
@@ -378,7 +376,7 @@ class Coordinator:
         log.info("coordinator generation %d for job %s: waiting for %d ranks", generation,
                  s.job, self.config.world_size)
         deposed = asyncio.create_task(self.lease.lost.wait(), name="deposed")
-        failed = asyncio.create_task(self._failed.wait(), name="failed")
+        failed = asyncio.create_task(self.watch.failed.wait(), name="failed")
         try:
             # the committer ends only when deposed (or failing: _spawn); any task that
             # fails leaves nothing decided from here on publishable, or nobody reading the
@@ -386,7 +384,7 @@ class Coordinator:
             committer = next(t for t in tasks if t.get_name() == "committer")
             waits: list[asyncio.Future[Any]] = [self.finish, deposed, failed]
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            if self._failed.is_set():
+            if self.watch.failed.is_set():
                 reader.silence()  # a successor rewinds the durable to its snapshot anyway
                 return None
             if self.lease.lost.is_set():
@@ -396,11 +394,11 @@ class Coordinator:
                 return None
             done = self.finish.result()
             await self._drain(committer)
-            if self._failed.is_set():
+            if self.watch.failed.is_set():
                 return None
             stored = await self.publisher.flush(30.0)
         finally:
-            self._closing = True
+            self.watch.closing = True
             deposed.cancel()
             failed.cancel()
             if metrics_server is not None:
@@ -670,10 +668,10 @@ class Coordinator:
 
     async def _drain(self, committer: asyncio.Task[None]) -> None:
         """Until every command decided so far is stored in a snapshot and submitted (or
-        the committer ended: deposed; or a task failed, ``self.failure``)."""
+        the committer ended: deposed; or a task failed, ``self.watch.failure``)."""
         lost = asyncio.ensure_future(self.lease.lost.wait())
         committed = asyncio.ensure_future(self._committed.wait())
-        failed = asyncio.ensure_future(self._failed.wait())
+        failed = asyncio.ensure_future(self.watch.failed.wait())
         try:
             await asyncio.wait([lost, committed, committer, failed],
                                return_when=asyncio.FIRST_COMPLETED)
@@ -685,33 +683,17 @@ class Coordinator:
     # ------------------------------------------------------------ supervision
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        """Start a task under watch: one that dies of an unexpected exception (a core bug,
-        an OSError writing --events on a full disk) ends the coordinator (``_serve``
-        returns, ``_abandon``) instead of leaving a process that beacons and renews its
-        lease while nobody reads the stream, ticks or publishes: its ranks would never
-        time out, and no standby would ever take over. Cancellation is not a failure,
-        nor is a task that returns (deposed: the lease's ``lost`` says so)."""
-        task = asyncio.create_task(coro, name=name)
-        task.add_done_callback(self._watch)
-        return task
+        """A task under watch (:mod:`ddpbus.orchestrator.tasks`): one that dies of an
+        unexpected exception ends the coordinator (``_serve`` returns, ``_abandon``)."""
+        return self.watch.spawn(coro, name)
 
-    def _watch(self, task: asyncio.Task[Any]) -> None:
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            self._fail(task.get_name(), exc)
-
-    def _fail(self, name: str, exc: BaseException) -> None:
-        """Task ``name`` failed (or the publisher gave a message up): end the coordinator."""
-        if self.failure is not None or self._closing:  # the first failure ends it
-            log.warning("%s failed while stopping: %s: %s", name, type(exc).__name__, exc)
-            return
-        self.failure = (name, exc)
+    def _failing(self, name: str, exc: BaseException) -> None:
         log.error("coordinator task %s failed: %s: %s; exiting, the lease released (a "
                   "successor resumes from the last snapshot)", name, type(exc).__name__, exc,
                   exc_info=exc)
-        self._failed.set()
 
     async def _abandon(self) -> int:
-        """A task failed (``self.failure``): stop whatever still runs in the background (a
+        """A task failed (``self.watch.failure``): stop whatever still runs in the background (a
         reduce, an input being applied), then give the lease up so a standby or a restart
         takes over at once, from the last write-ahead record (everything published is
         covered by one; what was decided and not stored is decided again from the stream)."""

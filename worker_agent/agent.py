@@ -41,6 +41,7 @@ from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import ConfigError, DdpbusError
 from ddpbus.orchestrator import bundles, bus, reducer
 from ddpbus.orchestrator.auth import Access
+from ddpbus.orchestrator.tasks import Watch
 from ddpbus.worker_agent import checkpoint
 from ddpbus.worker_agent.rendezvous import NatsKVStore
 from ddpbus.worker_agent.spec import TrainSpec
@@ -120,10 +121,8 @@ class WorkerAgent:
         self._bundle_lock: asyncio.Lock | None = None  # one at a time, in version order
         self._rounds: ObjectStore | None = None  # the broker backend's round bucket
         self._tasks: list[asyncio.Task[Any]] = []
-        # the first of this agent's tasks that died of an unexpected exception: its name and
-        # the exception (the rank ends: see _spawn)
-        self.failure: tuple[str, BaseException] | None = None
-        self._closing = False  # _run is stopping the tasks: what they raise is no failure
+        # its tasks: the first to die of an unexpected exception ends the rank
+        self.watch = Watch(f"rank {self.rank}", self._failing)
 
     # ------------------------------------------------------------------ entry
 
@@ -176,7 +175,7 @@ class WorkerAgent:
         # a report it gives up on (not stored after its retry deadline) is a gap the
         # coordinator never hears of: the rank ends, and restarted it rejoins
         self.nc, self.js = nc, js
-        self.publisher = bus.Publisher(js, on_failed=lambda exc: self._fail("publisher", exc))
+        self.publisher = bus.Publisher(js, on_failed=lambda exc: self.watch.fail("publisher", exc))
         self._admitted = self.loop.create_future()
         self._done = self.loop.create_future()
         reader = bus.StreamReader(nc, sj.stream_name(s.job), sj.rank_consumer(s.rank),
@@ -188,36 +187,24 @@ class WorkerAgent:
         self._install_signals()
         try:
             code = await self._lifecycle(trainer, device)
-            return EXIT_FAILED if self.failure is not None else code
+            return EXIT_FAILED if self.watch.failure is not None else code
         finally:
-            self._closing = True
+            self.watch.closing = True
             await live.unsubscribe()
             for t in self._tasks:
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        """Start one of the agent's tasks under watch: one that dies of an unexpected
-        exception ends the rank (``_fail``), rather than leave it beaconing while nobody
-        reads its control messages or publishes its reports (the coordinator would never
-        time it out, and its share of the work would wait forever). Cancellation is no
-        failure, nor is a task that returns (the watchdog does, once it gave up)."""
-        task = asyncio.create_task(coro, name=name)
-        task.add_done_callback(self._watch)
+        """One of the agent's tasks under watch (:mod:`ddpbus.orchestrator.tasks`): one that
+        dies of an unexpected exception ends the rank, rather than leave it beaconing while
+        nobody reads its control messages or publishes its reports (the coordinator would
+        never time it out, and its share of the work would wait forever)."""
+        task = self.watch.spawn(coro, name)
         self._tasks.append(task)
         return task
 
-    def _watch(self, task: asyncio.Task[Any]) -> None:
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            self._fail(task.get_name(), exc)
-
-    def _fail(self, name: str, exc: BaseException) -> None:
-        """Task ``name`` failed (or the publisher gave a message up): end the rank."""
-        if self.failure is not None or self._closing:  # the first failure ends it
-            log.warning("rank %d: %s failed while stopping: %s: %s", self.rank, name,
-                        type(exc).__name__, exc)
-            return
-        self.failure = (name, exc)
+    def _failing(self, name: str, exc: BaseException) -> None:
         log.error("rank %d: task %s failed: %s: %s; ending this rank (restarted, it "
                   "rejoins)", self.rank, name, type(exc).__name__, exc, exc_info=exc)
         reason = f"task {name} failed: {type(exc).__name__}: {exc}"
@@ -251,7 +238,7 @@ class WorkerAgent:
                  "rejoin" if self.resume_seq else "hello", self.generation, device)
         accept = await self._await_admission()
         if accept is None:
-            return EXIT_REJECTED if self.failure is None else EXIT_FAILED
+            return EXIT_REJECTED if self.watch.failure is None else EXIT_FAILED
         # beacons start once admitted: before that the coordinator does not know this rank
         self._spawn(self._beacon(), "heartbeat")
         if not loaded:
@@ -277,7 +264,7 @@ class WorkerAgent:
         if outcome.clean:
             self._send(m.Exiting(rank=s.rank))
         # (the publisher may be the task that failed: then nothing more is stored)
-        flushed = await self.publisher.flush(30.0 if self.failure is None else 5.0)
+        flushed = await self.publisher.flush(30.0 if self.watch.failure is None else 5.0)
         log.info("rank %d: %s (%s)", s.rank, "exiting" if outcome.clean else "failed",
                  outcome.reason)
         if not flushed:
@@ -588,7 +575,7 @@ class WorkerAgent:
             self.publisher.reconnected()
         if self.reader is not None:
             await self.reader.reconnected()
-        if self._admitted is not None and self._admitted.done() and self.failure is None:
+        if self._admitted is not None and self._admitted.done() and self.watch.failure is None:
             await self._heartbeat()  # at once: the coordinator forgave silence until now
 
     async def _watch_coordinator(self) -> None:
