@@ -191,7 +191,7 @@ class WorkerContext:
     world_size: int
     epochs: int = 0  # the run's, as the coordinator set them (--epochs, a resume's total)
     batch_size: int = 0
-    epoch: int = 0
+    epoch: int = 0  # in train_step: the batch's epoch (a dead peer's older work included)
     global_step: int = 0
     local_step: int = 0
     model: Any = None

@@ -606,10 +606,11 @@ class Trainer(threading.Thread):
     def _train_batch(self) -> None:
         plan = self.plans[0]
         # an older epoch's reassigned work (ExtendPartition after plans of the next) trains
-        # under its own epoch (its permutation, its MetricsMsg), but the rank stays in the
-        # newest: epoch_fn runs once per epoch, ctx.epoch never goes back
+        # under its own epoch (its permutation, its MetricsMsg, ctx.epoch while train_step
+        # runs), but the rank stays in the newest: epoch_fn runs once per epoch
         if self.epoch is None or plan.epoch > self.epoch:
             self._enter_epoch(plan.epoch)
+        self.ctx.epoch = plan.epoch
         run = self._run()
         t0 = time.perf_counter()
         if plan.started_at is None:
