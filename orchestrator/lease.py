@@ -188,8 +188,18 @@ class Lease:
             await self._renew_once()
 
     async def release(self) -> None:
-        """Give the lease up (a clean exit), so a standby need not wait for the TTL."""
-        try:
-            await self.kv.update(LEASE_KEY, b"", last=self.revision)
-        except Exception as exc:  # it expires on its own anyway
-            log.debug("lease release failed: %s", exc)
+        """Give the lease up (a clean exit), so a standby need not wait for the TTL. A
+        renewal whose task was cancelled mid-write (the stream reader's, at shutdown) may
+        still have landed: our own newer revision is released all the same, another
+        holder's never."""
+        async with self._renewing:
+            try:
+                try:
+                    await self.kv.update(LEASE_KEY, b"", last=self.revision)
+                except KeyWrongLastSequenceError:
+                    current = await read(self.kv)
+                    if current is None or current.holder != self.holder:
+                        return  # released already, or not ours any more
+                    await self.kv.update(LEASE_KEY, b"", last=current.revision)
+            except Exception as exc:  # it expires on its own anyway
+                log.debug("lease release failed: %s", exc)

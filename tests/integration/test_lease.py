@@ -80,6 +80,24 @@ async def test_concurrent_renewals_by_the_holder_do_not_depose_it(kv) -> None:  
     assert not a.lost.is_set()
 
 
+async def test_a_renewal_that_landed_after_its_task_was_cancelled_is_released_too(
+        kv) -> None:  # type: ignore[no-untyped-def]
+    """At a clean exit the stream reader's last renewal may be written though its task was
+    cancelled before it learnt the new revision: the release must still free the lease
+    (a standby, and `ddpbus status`, saw it held for a whole TTL after the run)."""
+    a = lease.Lease(kv, "a", ttl=5.0)
+    await a.take(wait=False)
+    await kv.update(lease.LEASE_KEY, b'{"holder": "a", "expires": 1e12}', last=a.revision)
+    await a.release()
+    assert await lease.read(kv) is None
+    b = lease.Lease(kv, "b", ttl=5.0)
+    assert await b.try_take()  # free at once
+    await a.release()  # not a's any more: left alone
+    holder = await lease.read(kv)
+    assert holder is not None
+    assert holder.holder == "b"
+
+
 async def test_a_stale_revision_of_our_own_is_adopted(kv) -> None:  # type: ignore[no-untyped-def]
     # a renewal stored just before the broker went away, its ack lost: the holder's
     # revision is stale, but the key is still its own
