@@ -20,7 +20,7 @@ from typing import Any
 from ddpbus.codecs import Decoder
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator.bus import connect
+from ddpbus.orchestrator.bus import Publisher, connect
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = Path(__file__).resolve().parent / "specs"
@@ -35,6 +35,37 @@ def wait_for(what: str, cond: Callable[[], bool], timeout: float = 90.0) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)  # poll interval of a deadline-bound wait
+
+
+async def until(what: str, cond: Callable[[], bool], within: float = 30.0) -> None:
+    """:func:`wait_for` inside an event loop: polled every 10 ms (the state it reads, a
+    client's or a publisher's, has no event to wait on), for at most ``within`` s."""
+    for _ in range(int(within / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)  # poll interval of a deadline-bound wait
+    if not cond():
+        raise AssertionError(f"timed out waiting for {what}")
+
+
+class PublisherHooks:
+    """A connection whose disconnect and reconnect reach the :class:`Publisher` later made
+    on it (``hooks.publisher = Publisher(nc.jetstream())``), as the coordinator wires it."""
+
+    def __init__(self) -> None:
+        self.publisher: Publisher | None = None
+
+    async def _lost(self) -> None:
+        if self.publisher is not None:
+            self.publisher.disconnected()
+
+    async def _back(self) -> None:
+        if self.publisher is not None:
+            self.publisher.reconnected()
+
+    async def connect(self, url: str, name: str) -> Any:
+        return await connect(url, name=name, on_disconnect=self._lost,
+                             on_reconnect=self._back)
 
 
 def children(pid: int) -> set[int]:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from jobs import children, running, wait_for
+from jobs import PublisherHooks, children, running, wait_for
 
 from ddpbus.orchestrator.broker import BrokerConfig, BrokerError, EmbeddedBroker
 from ddpbus.orchestrator.bus import BusUnavailable, connect
@@ -156,19 +156,11 @@ async def test_publishing_through_a_broker_restart_loses_and_reorders_nothing(
     first = EmbeddedBroker(BrokerConfig(store_dir=store))
     first.start()
     port = first.port
-    hooks: dict[str, Publisher] = {}
-
-    async def lost() -> None:
-        hooks["publisher"].disconnected()
-
-    async def back() -> None:
-        hooks["publisher"].reconnected()
-
-    nc = await connect(first.url, name="restart-publisher", on_disconnect=lost,
-                       on_reconnect=back)
+    hooks = PublisherHooks()
+    nc = await hooks.connect(first.url, "restart-publisher")
     js = nc.jetstream()
     await js.add_stream(name="R", subjects=["ddpbus.r.>"], duplicate_window=120.0)
-    publisher = hooks["publisher"] = Publisher(js)
+    publisher = hooks.publisher = Publisher(js)
     task = asyncio.create_task(publisher.run())
     encoder = Encoder(job="r", key=key, sender="coordinator", generation=1)
     second = EmbeddedBroker(BrokerConfig(port=port, store_dir=store))

@@ -11,6 +11,7 @@ import signal
 from pathlib import Path
 
 import pytest
+from jobs import PublisherHooks, until
 from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
@@ -48,19 +49,12 @@ async def test_broker_restarts_give_every_publish_slot_back(tmp_path: Path,
     broker = EmbeddedBroker(BrokerConfig(store_dir=store))
     broker.start()
     port = broker.port
-    holder: dict[str, Publisher] = {}
-
-    async def lost() -> None:
-        holder["p"].disconnected()
-
-    async def back() -> None:
-        holder["p"].reconnected()
-
-    nc: Client = await (connect(broker.url, name="pub", on_disconnect=lost, on_reconnect=back)
-                        if hooks else connect(broker.url, name="pub"))
+    wiring = PublisherHooks()
+    nc: Client = await (wiring.connect(broker.url, "pub") if hooks
+                        else connect(broker.url, name="pub"))
     js = nc.jetstream()
     await js.add_stream(name=STREAM, subjects=SUBJECTS)
-    publisher = holder["p"] = Publisher(js, ack_timeout=2.0)
+    publisher = wiring.publisher = Publisher(js, ack_timeout=2.0)
     slots = _free_slots(js)
     task = asyncio.create_task(publisher.run())
     n = 0
@@ -78,12 +72,13 @@ async def test_broker_restarts_give_every_publish_slot_back(tmp_path: Path,
             assert broker.process is not None
             os.kill(broker.process.pid, signal.SIGSTOP)
             submit(20)  # sent, never acked
-            await asyncio.sleep(0.3)
+            await until("20 publishes in flight", lambda: js.publish_async_pending() >= 20)
             broker.process.kill()
             broker.stop()
-            await asyncio.sleep(0.5)
-            submit(10)  # while it is away
-            await asyncio.sleep(0.2)
+            await until("the client to see the broker gone", lambda: not nc.is_connected)
+            submit(10)  # while it is away: taken by the publisher (or held, with the hook)
+            await until("the publisher to take them", lambda: publisher._queue.empty()
+                        or not publisher._open.is_set())
             broker = EmbeddedBroker(BrokerConfig(port=port, store_dir=store))
             broker.start()
             assert await publisher.flush(30), publisher.failed

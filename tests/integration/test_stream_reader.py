@@ -10,6 +10,7 @@ import logging
 import time
 
 import pytest
+from jobs import until
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
@@ -65,8 +66,11 @@ async def test_a_burst_is_read_in_order_once_with_store_times_then_acked(nc: Cli
     task = asyncio.create_task(reader.run())
     try:
         await asyncio.wait_for(done.wait(), 20)
-        await asyncio.sleep(2 * bus.ACK_DELAY_S + 0.2)  # the quiet moment's AckAll
-        info = await js.consumer_info(STREAM, "r")
+        for _ in range(200):  # until the quiet moment's AckAll (ACK_DELAY_S after the last)
+            info = await js.consumer_info(STREAM, "r")
+            if info.ack_floor is not None and info.ack_floor.stream_seq == 600:
+                break
+            await asyncio.sleep(0.01)  # poll interval of a deadline-bound wait
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -167,9 +171,10 @@ async def test_a_reader_whose_consumer_is_gone_backs_off_then_resumes(
         await nc.publish("gone.x", b"0")
         await asyncio.wait_for(arrived.wait(), 10)
         await js.delete_consumer(stream, "r")  # e.g. retired at the run's end
-        await asyncio.sleep(0.3)  # the reader notices
+        await until("the reader to notice", lambda: any(
+            r.levelno >= logging.WARNING for r in caplog.records))
         sent = nc.stats["out_msgs"]
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(1.0)  # the window the request rate is measured over
         requests = nc.stats["out_msgs"] - sent
         away = [r for r in caplog.records if r.levelno >= logging.WARNING]
         assert len(away) == 1, [r.getMessage() for r in away[:5]]

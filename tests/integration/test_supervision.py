@@ -152,7 +152,7 @@ async def _wrong_key_hello(url: str, job: str) -> int:
                 await js.consumer_info(sj.stream_name(job), sj.COORDINATOR_CONSUMER)
                 break
             except NotFoundError:  # not made yet: poll
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.1)  # poll interval of a deadline-bound wait (60 s)
         ack = await publish(js, forger.encode(sj.JOIN_RANK.subject(job, 0), hello))
         return int(ack.seq)
     finally:

@@ -55,10 +55,10 @@ def test_waiting_for_a_plan_inside_a_window_is_not_data_time() -> None:
     rank.trainer.start()
     rank.put(window(plan(0, 0, BATCH)))
     rank.wait_steps(1)
-    time.sleep(idle)
+    time.sleep(idle)  # the idle time under test, not a wait for something
     rank.put(m.ExtendPartition(epoch=0, partition_offset=BATCH, partition_size=BATCH))
     rank.wait_steps(2)
-    time.sleep(idle)
+    time.sleep(idle)  # again: the rank idles in its window
     rank.put(m.StartEpoch(plan=m.EpochPlan(epoch=0, partition_offset=2 * BATCH,
                                            partition_size=BATCH)))
     rank.wait_steps(3)
@@ -81,13 +81,14 @@ def test_waiting_for_a_plan_inside_a_window_is_not_data_time() -> None:
 def test_a_plan_outside_the_dataset_is_refused_counted_and_not_trained(bad: m.ControlMsg
                                                                         ) -> None:
     rank = Rank()
-    rank.put(window(), bad, window(plan(0, 0, BATCH)))
+    rank.put(window(), bad, window(plan(0, 0, BATCH), plan(0, BATCH, BATCH)))
     rank.trainer.start()
-    rank.wait_steps(1)
-    time.sleep(0.1)  # nothing else is trained
+    # both good plans trained: plans train in order, so a bad one taken would come first
+    rank.wait_steps(2)
     rank.stop()
-    assert [b.step_count for b in rank.batches()] == [1]
-    assert [(x.epoch, x.batches_processed) for x in rank.of(m.MetricsMsg)] == [(0, 1)]
+    assert [b.step_count for b in rank.batches()] == [1, 2]
+    assert [(x.epoch, x.batches_processed) for x in rank.of(m.MetricsMsg)] == [(0, 1),
+                                                                               (0, 1)]
     assert all(math.isfinite(x.avg_loss) for x in rank.of(m.MetricsMsg))
     assert rank.refused == ["plan-out-of-range"]
 

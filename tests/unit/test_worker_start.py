@@ -152,9 +152,15 @@ async def test_a_plan_the_trainer_refuses_is_counted_for_the_heartbeat(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     agent = Start(tmp_path, monkeypatch, spec()).agent
     agent.loop = asyncio.get_running_loop()
-    thread = threading.Thread(target=lambda: [agent._trainer_refused("plan-out-of-range")
-                                              for _ in range(2)])
+    counted = asyncio.Event()
+
+    def refuse_twice() -> None:  # the training thread's side
+        for _ in range(2):
+            agent._trainer_refused("plan-out-of-range")
+        agent.loop.call_soon_threadsafe(counted.set)  # runs after the two, in order
+
+    thread = threading.Thread(target=refuse_twice)
     thread.start()
     thread.join()
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(counted.wait(), 5)
     assert agent.rejected == {"plan-out-of-range": 2}
