@@ -187,8 +187,9 @@ def _point_latest(directory: Path, manifest: Manifest) -> None:
     (``--resume DIR`` reads only this file)."""
     path = directory / "latest.json"
     with contextlib.suppress(OSError, BundleError):
-        if Manifest.from_json(path.read_bytes(), str(path)).version >= manifest.version:
-            return
+        current = Manifest.from_json(path.read_bytes(), str(path))
+        if current.job == manifest.job and current.version >= manifest.version:
+            return  # (an earlier job's pointer, e.g. `ddpbus run` into the same --out, goes)
     _atomic_write(path, manifest.to_json())
 
 

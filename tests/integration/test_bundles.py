@@ -104,3 +104,7 @@ async def test_a_directorys_latest_never_goes_back_to_an_older_bundle(nc: Client
     # the pointer itself never goes back (an older commit whose pointer lands last)
     bundles._point_latest(vol, bundles.read_directory(vol / "v5"))
     assert bundles.read_directory(vol).version == 6
+    # but a new job writing into the same directory takes it over from its first bundle
+    await ensure_job(js, "new", 2)
+    first = await bundles.write(js, "new", 1, blobs(1), {"epoch": 1}, directory=vol)
+    assert bundles.read_directory(vol) == first

@@ -162,6 +162,19 @@ def test_a_run_resumed_from_an_earlier_run_directory_continues_it(tmp_path: Path
     assert summary["epochs"] == 3  # trained here: epochs 3, 4, 5
     assert summary["test_accuracy"] >= 0.9
     assert [e["epoch"] for e in summary["eval"]][-3:] == [3, 4, 5]
+    # a new run into the same --out starts from fresh weights, not the model left there,
+    # and its bundles take the directory over from the earlier job's
+    earlier = json.loads((second / "bundles" / "latest.json").read_text())
+    assert earlier["version"] == 6
+    out = _run([DIGITS, "--workers", "2", "--epochs", "1", "--out", str(second),
+                "--no-progress"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for rank in (0, 1):
+        log = (second / "logs" / f"rank-{rank}.log").read_text(errors="replace")
+        assert f"ignoring {second / 'consensus.safetensors'}" in log, log[-2000:]
+    latest = json.loads((second / "bundles" / "latest.json").read_text())
+    assert latest["version"] == 1
+    assert latest["job"] != earlier["job"]
 
 
 def test_a_missing_spec_is_refused(tmp_path: Path) -> None:
