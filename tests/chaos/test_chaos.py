@@ -382,9 +382,10 @@ def test_sigkill_a_random_worker_at_a_random_moment(broker: EmbeddedBroker, tmp_
                                                     attempt: int, restart: bool) -> None:
     rng, seed = scenario_rng(f"worker-kill-{restart}-{attempt}")
     # a restarted rank must find work left: an early kill and slower batches make the run
-    # outlast the new process's start (Python + torch: up to ~5 s on a loaded 2-core box)
+    # outlast the new process's start (Python + torch: up to ~5 s on a loaded 2-core box;
+    # at slowdown 8 the 24 epochs left after a kill at epoch 6 took 5 s in one CI run)
     victim, after = rng.randrange(3), rng.randint(1, 6 if restart else 12)
-    slow = {r: ["--slowdown", "8"] for r in range(3)} if restart else None
+    slow = {r: ["--slowdown", "16"] for r in range(3)} if restart else None
     job, ledger = run_job(broker, tmp_path, 3, f"rk{int(restart)}-{attempt}", worker_args=slow)
     wait_for(f"rank {victim} to train {after} epochs",
              lambda: trained_epochs(ledger, victim) >= after)
