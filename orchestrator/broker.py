@@ -214,6 +214,8 @@ class EmbeddedBroker:
         if self.process is not None:
             if self.process.poll() is None:
                 self.process.terminate()
+                # a stopped server (SIGSTOP, a debugger) acts on nothing until continued
+                self.process.send_signal(signal.SIGCONT)
                 try:
                     self.process.wait(timeout)
                 except subprocess.TimeoutExpired:

@@ -39,13 +39,32 @@ def wait_for(what: str, cond: Callable[[], bool], timeout: float = 90.0) -> None
 
 async def until(what: str, cond: Callable[[], bool], within: float = 30.0) -> None:
     """:func:`wait_for` inside an event loop: polled every 10 ms (the state it reads, a
-    client's or a publisher's, has no event to wait on), for at most ``within`` s."""
-    for _ in range(int(within / 0.01)):
-        if cond():
-            return
+    client's or a publisher's, has no event to wait on) until a deadline ``within`` s away
+    (a deadline, not a count of polls: on a loaded machine each poll takes longer)."""
+    deadline = time.monotonic() + within
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.01)  # poll interval of a deadline-bound wait
-    if not cond():
-        raise AssertionError(f"timed out waiting for {what}")
+
+
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every one of its threads is stopped. ``kill`` only
+    queues the signal: a thread running on another core goes on until the kernel next
+    interrupts it, and a Go server (nats-server) served requests meanwhile (an ack a test
+    assumed would never come)."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rpartition(")")[2].split()[0])
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+        return bool(states) and all(st in "Tt" for st in states)
+
+    wait_for(f"process {pid} to stop", stopped, timeout)
 
 
 class PublisherHooks:

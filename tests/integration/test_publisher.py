@@ -6,12 +6,10 @@ reported at once."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 from pathlib import Path
 
 import pytest
-from jobs import PublisherHooks, until
+from jobs import PublisherHooks, freeze, until
 from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
@@ -70,7 +68,7 @@ async def test_broker_restarts_give_every_publish_slot_back(tmp_path: Path,
             submit(5)
             assert await publisher.flush(10), publisher.failed
             assert broker.process is not None
-            os.kill(broker.process.pid, signal.SIGSTOP)
+            freeze(broker.process.pid)  # stopped before anything is sent
             submit(20)  # sent, never acked
             await until("20 publishes in flight", lambda: js.publish_async_pending() >= 20)
             broker.process.kill()
