@@ -50,6 +50,9 @@ async def test_a_job_larger_than_the_servers_consumer_default(nc: Client) -> Non
     assert info.config.max_consumers == 1100 + 1 + 256
     await ensure_job(js, "wide", 2)  # a smaller world size again: the limit stays
     assert (await js.stream_info(wide.stream)).config.max_consumers == 1357
+    # nats-server writes each consumer's state as it shuts down (~10 ms apiece here, 11 s
+    # for these 1,101): without them the fixture's broker stops at once
+    await js.delete_stream(wide.stream)
 
 
 async def test_rank_consumer_sees_broadcast_and_own_messages_in_order(nc: Client) -> None:
