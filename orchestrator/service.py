@@ -346,8 +346,8 @@ class Coordinator:
             last = (await js.stream_info(sj.stream_name(s.job))).state.last_seq
             if last > snap.stream_seq:
                 self._replay_to = last
-            else:
-                self.replay_s = time.time() - self.started_at  # nothing to replay
+            else:  # the snapshot covers the stream: caught up already
+                self._caught_up(snap.stream_seq)
         return snap
 
     async def _serve(self, nc: Client) -> tuple[Finish, bool] | None:
@@ -787,9 +787,14 @@ class Coordinator:
         else:
             self.covered_seq = max(self.covered_seq, seq)
         if self._replay_to is not None and seq >= self._replay_to:
-            self.replay_s, self._replay_to = time.time() - self.started_at, None
-            log.info("caught up with the stream (sequence %d) %.2fs after taking over", seq,
-                     self.replay_s)
+            self._caught_up(seq)
+
+    def _caught_up(self, seq: int) -> None:
+        """A coordinator that took over has applied the stream up to where it stood at the
+        takeover (nothing to replay when its snapshot covered it all)."""
+        self.replay_s, self._replay_to = time.time() - self.started_at, None
+        log.info("caught up with the stream (sequence %d) %.2fs after taking over", seq,
+                 self.replay_s)
 
     async def _may_read(self) -> bool:
         """Asked by the stream reader before each pull request. A deposed coordinator (one
