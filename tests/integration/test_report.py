@@ -19,11 +19,17 @@ from ddpbus.orchestrator.broker import EmbeddedBroker
 pytestmark = pytest.mark.timeout(300)
 PLOTS = ("loss", "throughput", "batch_share", "anchor", "divergence")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# .ci/run installs Chromium and sets this: there its absence fails the test, never skips it
+REQUIRED = os.environ.get("DDPBUS_REQUIRE_CHROMIUM") == "1"
+needs_chromium = pytest.mark.skipif(
+    not REQUIRED and not Path(CHROMIUM).exists(),
+    reason="no Chromium: install Debian's package 'chromium' (apt-get install chromium) "
+           "to render the report in a browser")
 
 
 def chromium(*args: str, profile: Path) -> subprocess.CompletedProcess[str]:
     """Headless Chromium as this machine runs it (no network, a fresh profile)."""
-    assert Path(CHROMIUM).exists(), "Debian's chromium is needed (make test installs it)"
+    assert Path(CHROMIUM).exists(), "Debian's package 'chromium' is needed (.ci/run installs it)"
     return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
                            "--disable-quic", "--no-first-run", "--disable-background-networking",
                            "--disable-component-update", "--disable-sync",
@@ -38,6 +44,7 @@ def drawn(path: Path) -> int:
     return len(colours or [])
 
 
+@needs_chromium
 def test_the_report_of_a_recorded_run_renders_in_chromium(broker: EmbeddedBroker,
                                                          tmp_path: Path) -> None:
     job, ledger = chaos_job(broker.url, tmp_path, "shown", epochs=16, slowdown=6)
