@@ -162,6 +162,7 @@ def run_job(broker: EmbeddedBroker, tmp: Path, workers: int, name: str,
     return job, ledger
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attempt", REPEAT)
 def test_sigkill_one_of_three_the_survivors_finish(broker: EmbeddedBroker, tmp_path: Path,
                                                    attempt: int) -> None:
@@ -179,6 +180,7 @@ def test_sigkill_one_of_three_the_survivors_finish(broker: EmbeddedBroker, tmp_p
     recovered(job, ledger, events, {1: victim.pid}, [0, 2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("attempt", REPEAT)
 def test_a_killed_worker_restarted_grows_back(broker: EmbeddedBroker, tmp_path: Path,
@@ -212,6 +214,7 @@ def test_a_killed_worker_restarted_grows_back(broker: EmbeddedBroker, tmp_path: 
     assert {"telemetry", "rank", "broadcast"} <= set(summary["retention"]["purged"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attempt", REPEAT)
 def test_a_worker_killed_mid_round_on_the_broker_backend(broker: EmbeddedBroker,
                                                          tmp_path: Path, attempt: int) -> None:
@@ -248,6 +251,7 @@ def test_a_worker_killed_mid_round_on_the_broker_backend(broker: EmbeddedBroker,
     recovered(job, ledger, events, {1: victim.pid}, [0, 2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attempt", REPEAT)
 def test_a_stopped_worker_is_fenced_when_it_wakes(broker: EmbeddedBroker, tmp_path: Path,
                                                   attempt: int) -> None:
@@ -268,6 +272,7 @@ def test_a_stopped_worker_is_fenced_when_it_wakes(broker: EmbeddedBroker, tmp_pa
     recovered(job, ledger, events, {2: sleeper.pid}, [0, 1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("attempt", REPEAT)
 def test_a_killed_coordinator_restarted_resumes_from_its_snapshot(
@@ -299,6 +304,7 @@ def test_a_killed_coordinator_restarted_resumes_from_its_snapshot(
     assert "took over" in job.log("rank-0")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attempt", REPEAT)
 def test_a_standby_takes_over_and_the_stopped_leader_is_deposed(
         broker: EmbeddedBroker, tmp_path: Path, attempt: int) -> None:
@@ -376,7 +382,10 @@ class Tail:
         return started[-1] if started and started[-1] not in done else None
 
 
-@pytest.mark.parametrize("restart", [False, True], ids=["stays-dead", "restarted"])
+# make test's worker smoke is the restarted variant (a kill and a rejoin); test-all adds
+# the rank that stays dead
+@pytest.mark.parametrize("restart", [pytest.param(False, id="stays-dead", marks=pytest.mark.slow),
+                                     pytest.param(True, id="restarted")])
 @pytest.mark.parametrize("attempt", loops(1, 10))
 def test_sigkill_a_random_worker_at_a_random_moment(broker: EmbeddedBroker, tmp_path: Path,
                                                     attempt: int, restart: bool) -> None:
@@ -406,7 +415,9 @@ def test_sigkill_a_random_worker_at_a_random_moment(broker: EmbeddedBroker, tmp_
     recovered(job, ledger, events, {victim: proc.pid}, survivors)
 
 
-@pytest.mark.parametrize("moment", ["mid-epoch", "mid-average"])
+# make test's coordinator smoke is the kill mid-average; test-all adds mid-epoch
+@pytest.mark.parametrize("moment", [pytest.param("mid-epoch", marks=pytest.mark.slow),
+                                    "mid-average"])
 @pytest.mark.parametrize("attempt", loops(1, 5))
 def test_sigkill_the_coordinator_at_a_random_moment_and_restart_it(
         broker: EmbeddedBroker, tmp_path: Path, attempt: int, moment: str) -> None:
@@ -437,6 +448,7 @@ def test_sigkill_the_coordinator_at_a_random_moment_and_restart_it(
     recovered(job, ledger, events, {}, [0, 1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attempt", REPEAT)
 def test_two_workers_killed_at_once(broker: EmbeddedBroker, tmp_path: Path,
                                     attempt: int) -> None:
@@ -452,6 +464,7 @@ def test_two_workers_killed_at_once(broker: EmbeddedBroker, tmp_path: Path,
     recovered(job, ledger, events, {1: victims[0].pid, 2: victims[1].pid}, [0, 3])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attempt", REPEAT)
 def test_the_elected_id_generator_killed_during_the_rebuild(broker: EmbeddedBroker,
                                                             tmp_path: Path,
@@ -492,6 +505,7 @@ def latest_bundle(url: str, job: str) -> int:
     return asyncio.run(read())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attempt", REPEAT)
 def test_the_whole_run_killed_resumes_from_its_last_bundle(broker: EmbeddedBroker,
                                                            tmp_path: Path,

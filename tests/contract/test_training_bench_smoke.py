@@ -11,7 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.timeout(300)
+# the benchmarks train for real: test-all (make test runs the quick codec and scale ones)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def _bench(name: str, tmp: Path, *args: str) -> dict[str, object]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import shutil
 import subprocess
 import tarfile
@@ -40,4 +41,8 @@ def _fetch() -> Path:
 
 @pytest.fixture(scope="session")
 def helm() -> Path:
-    return _fetch()
+    # one fetch for all pytest-xdist workers: the others wait on the lock, then find it
+    TOOLS.mkdir(parents=True, exist_ok=True)
+    with (TOOLS / ".fetch.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _fetch()

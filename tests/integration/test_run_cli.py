@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 from jobs import children, running, wait_for
 
+from ddpbus.orchestrator import cli
+
 ROOT = Path(__file__).resolve().parents[2]
 RUN = [sys.executable, "-m", "ddpbus.orchestrator.cli", "run"]
 DIGITS = str(ROOT / "examples" / "digits.py") + ":spec"
@@ -133,10 +135,17 @@ def test_a_killed_launcher_takes_every_process_along(tmp_path: Path) -> None:
     (["--resume", "."], "holds no bundle"),
 ])
 def test_bad_flags_are_refused_before_anything_starts(tmp_path: Path, args: list[str],
-                                                      message: str) -> None:
-    out = _run([DIGITS, "--out", str(tmp_path / "never"), *args], tmp_path, timeout=60)
-    assert out.returncode == 2
-    assert message in out.stderr
+                                                      message: str,
+                                                      capfd: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # the CLI's own main() in this process: each refusal is the same code path as in a
+    # `ddpbus run` process (test_a_missing_spec_is_refused runs one), without a Python and
+    # torch start per case (~2 s each)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["run", DIGITS, "--out", str(tmp_path / "never"), *args], environ=_env())
+    assert stopped.value.code == 2
+    assert message in capfd.readouterr().err
     assert not (tmp_path / "never").exists()
 
 

@@ -59,7 +59,7 @@ def _to_the_end(job: Job, epochs: int = 2) -> dict[str, Any]:
     return summary
 
 
-@pytest.mark.parametrize("intake", ["durable", "core"])
+@pytest.mark.parametrize("intake", ["durable", pytest.param("core", marks=pytest.mark.slow)])
 def test_simulated_ranks_train_a_run_to_its_end(broker: EmbeddedBroker, tmp_path: Path,
                                                 intake: str) -> None:
     """Each rank reading its own durable (as a worker does), or all through one core
@@ -185,6 +185,7 @@ class StreamSampler:
         self._thread.join(10)
 
 
+@pytest.mark.slow  # a soak: test-all
 def test_a_long_run_stays_inside_its_limits_and_a_restarted_coordinator_resumes(
         broker: EmbeddedBroker, tmp_path: Path) -> None:
     """Retention (subjects.md): compacting every second with no history kept, the stream

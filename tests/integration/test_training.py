@@ -90,8 +90,17 @@ def _each_sample_once(ledger: Path, epochs: int) -> None:
     assert set(trained.values()) == {1}, "a sample was trained twice in one epoch"
 
 
-@pytest.mark.parametrize("progressive", [True, False], ids=["progressive", "partitions"])
-@pytest.mark.parametrize("policy", ["sync", "cadence", "async"])
+SLOW = pytest.mark.slow  # the rest of the matrix: test-all
+
+
+@pytest.mark.parametrize(("policy", "progressive"), [
+    pytest.param("sync", True, id="sync-progressive", marks=SLOW),
+    pytest.param("sync", False, id="sync-partitions"),
+    pytest.param("cadence", True, id="cadence-progressive"),
+    pytest.param("cadence", False, id="cadence-partitions", marks=SLOW),
+    pytest.param("async", True, id="async-progressive", marks=SLOW),
+    pytest.param("async", False, id="async-partitions"),
+])
 def test_every_sample_once_converges_and_replicas_agree(broker: EmbeddedBroker,
                                                          tmp_path: Path, policy: str,
                                                          progressive: bool) -> None:
@@ -114,10 +123,11 @@ def test_every_sample_once_converges_and_replicas_agree(broker: EmbeddedBroker,
 
 
 @pytest.mark.parametrize(("policy", "knobs", "slowdown"), [
-    ("cadence", [], None),
-    ("async", [], None),  # EASGD, alpha 0.5 by default
-    ("cadence", ["bf16_wire=true", "max_batch_diff=1"], "2.5"),
-], ids=["cadence", "async-easgd", "cadence-bf16-throttled"])
+    pytest.param("cadence", [], None, id="cadence", marks=SLOW),
+    pytest.param("async", [], None, id="async-easgd"),  # EASGD, alpha 0.5 by default
+    pytest.param("cadence", ["bf16_wire=true", "max_batch_diff=1"], "2.5",
+                 id="cadence-bf16-throttled", marks=SLOW),
+])
 def test_broker_backend_every_sample_once_converges_and_replicas_agree(
         broker: EmbeddedBroker, tmp_path: Path, policy: str, knobs: list[str],
         slowdown: str | None) -> None:
@@ -149,6 +159,7 @@ def test_broker_backend_every_sample_once_converges_and_replicas_agree(
         assert seen["ControlMsg.Throttle"] >= 1, seen
 
 
+@SLOW
 def test_slow_rank_under_cadence_and_sync(broker: EmbeddedBroker, tmp_path: Path) -> None:
     shares = {}
     for policy in ("cadence", "sync"):
