@@ -104,6 +104,13 @@ SLOW = pytest.mark.slow  # the rest of the matrix: test-all
 def test_every_sample_once_converges_and_replicas_agree(broker: EmbeddedBroker,
                                                          tmp_path: Path, policy: str,
                                                          progressive: bool) -> None:
+    """Seed 42 (the spec's: permutations and initial weights); cadence and async still
+    vary with scheduling. Test accuracy over seeds 0-19 (tests/accuracy_spread.py,
+    bench/results/accuracy-spread-20261207T070445Z.json, 359 test digits: one is 0.28 %):
+    sync-partitions 0.9415 / 0.9638 / 0.9749 (min / median / max), cadence-progressive
+    0.9638 / 0.9777 / 0.9861, async-partitions 0.9610 / 0.9749 / 0.9889; under a loaded
+    machine async-partitions once gave 0.947 (issue 33). Bounds: 0.92 for sync (worst 0.9415),
+    0.93 otherwise (worst 0.947), about five digits of margin."""
     ledger = tmp_path / "ledger"
     ledger.mkdir()
     # sync averages after every step: 10 epochs (440 rounds) are enough to prove it
@@ -118,7 +125,7 @@ def test_every_sample_once_converges_and_replicas_agree(broker: EmbeddedBroker,
     assert summary["progressive"] is progressive
     assert summary["epochs"] == epochs
     _each_sample_once(ledger, epochs)
-    assert summary["test_accuracy"] >= 0.95, summary["eval"]
+    assert summary["test_accuracy"] >= (0.92 if policy == "sync" else 0.93), summary["eval"]
     _same_replicas(job.out, 2)
 
 
@@ -131,6 +138,8 @@ def test_every_sample_once_converges_and_replicas_agree(broker: EmbeddedBroker,
 def test_broker_backend_every_sample_once_converges_and_replicas_agree(
         broker: EmbeddedBroker, tmp_path: Path, policy: str, knobs: list[str],
         slowdown: str | None) -> None:
+    """Accuracy over seeds 0-19 (tests/accuracy_spread.py), async-easgd: 0.9610 / 0.9777 /
+    0.9833 (min / median / max); bound 0.93, as for the collective path."""
     ledger = tmp_path / "ledger"
     ledger.mkdir()
     name = f"brk-{policy}-{len(knobs)}"
@@ -148,7 +157,7 @@ def test_broker_backend_every_sample_once_converges_and_replicas_agree(
     # the tensor frames and beacons (core NATS) leave no gap in the ranks' stream ids
     assert summary["unseen_ids"] == 0
     _each_sample_once(ledger, 20)
-    assert summary["test_accuracy"] >= 0.95, summary["eval"]
+    assert summary["test_accuracy"] >= 0.93, summary["eval"]
     _same_replicas(job.out, 2)  # every rank ends as the last consensus, EASGD too
     seen = stream_types(stream_messages(broker.url, name))
     assert {"ControlMsg.RequestParams", "TimingMsg.SnapshotReady", "ControlMsg.Update"} <= \
