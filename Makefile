@@ -47,7 +47,7 @@ pytest-slow: install
 # every chaos loop (10 random worker kills, 5 coordinator kills, 5 broker restarts) and the
 # broker backend too: what the flake hunt runs each round
 chaos-full: install
-	DDPBUS_CHAOS_FULL=1 $(PY) -m pytest tests/chaos --durations=15 $(PYTEST_ARGS)
+	DDPTEST_CHAOS_FULL=1 $(PY) -m pytest tests/chaos --durations=15 $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 
@@ -88,7 +88,7 @@ ATHERIS_TARGETS := ControlMsg TimingMsg MetricsMsg JoinMsg AdmitMsg TensorFrame 
 fuzz: install
 	mkdir -p $(dir $(FUZZ_REPORT))
 	rm -f $(FUZZ_REPORT)
-	DDPBUS_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) DDPBUS_FUZZ_REPORT=$(FUZZ_REPORT) \
+	DDPTEST_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) DDPTEST_FUZZ_REPORT=$(FUZZ_REPORT) \
 		$(PY) -m pytest tests/fuzz --timeout=3600 --ignore=tests/fuzz/test_atheris.py
 	for target in $(ATHERIS_TARGETS); do \
 		$(PY) tests/fuzz/atheris_decoders.py -atheris_runs=$(ATHERIS_RUNS) -target=$$target \

@@ -8,7 +8,7 @@ the code, to be found and fixed at its cause (never with a retry or a wider boun
     python tests/flake_hunt.py --rounds 2 --no-hog -- -k publisher
 
 Each round runs pytest once over ``--paths`` (every test there, the slow ones included,
-with the full chaos loops and a fresh chaos seed per scenario: DDPBUS_CHAOS_SEED=random),
+with the full chaos loops and a fresh chaos seed per scenario: DDPTEST_CHAOS_SEED=random),
 writing a JUnit XML per round. The hog is ``python -c 'while 1: pass'`` started here and
 killed by its pid at the end, whatever happens. The outcome of every round, the failures
 with their first message line, and the wall times go to
@@ -71,7 +71,7 @@ def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
 
 def run_round(i: int, paths: list[str], extra: list[str], work: Path) -> dict[str, Any]:
     junit = work / f"round-{i}.xml"
-    env = {**os.environ, "DDPBUS_CHAOS_FULL": "1", "DDPBUS_CHAOS_SEED": "random"}
+    env = {**os.environ, "DDPTEST_CHAOS_FULL": "1", "DDPTEST_CHAOS_SEED": "random"}
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            f"--junitxml={junit}", *paths, *extra], cwd=ROOT, env=env,

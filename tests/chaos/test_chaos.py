@@ -3,7 +3,7 @@ and restarted mid-run. Each run must still finish, with every sample of every ep
 consensus exactly once (the dead incarnation's lost batches excluded, as the coordinator's
 `work-reassigned` record names them), accuracy >= 95 % and identical surviving replicas.
 
-Each scenario runs once by default; DDPBUS_CHAOS_REPEAT=N repeats it N times.
+Each scenario runs once by default; DDPTEST_CHAOS_REPEAT=N repeats it N times.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
 N_TRAIN, BATCH, SEED, EPOCHS = 1438, 32, 42, 30
 COMPACT_HARD = ["--compact-every", "0.5", "--keep-history", "0"]
-REPEAT = range(int(os.environ.get("DDPBUS_CHAOS_REPEAT", "1")))
+REPEAT = range(int(os.environ.get("DDPTEST_CHAOS_REPEAT", "1")))
 # recovery scenarios run on the collective path; the full run repeats them on the broker
 # backend (no communicator: a death or a restart never rebuilds one)
 BACKENDS = ["gloo", *([pytest.param("broker", marks=pytest.mark.slow)]
-                      if os.environ.get("DDPBUS_CHAOS_FULL") == "1" else [])]
+                      if os.environ.get("DDPTEST_CHAOS_FULL") == "1" else [])]
 
 
 def lines(ledger: Path, rank: int) -> list[tuple[int, int, int]]:

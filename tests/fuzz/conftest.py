@@ -4,7 +4,7 @@ The helpers (``fuzz_corpus``, ``fuzz_mutate``, ``fuzz_states``) sit beside the t
 beside the atheris harness, which imports them as a script; pyproject's ``pythonpath``
 lists the other layers' helper folders, this one puts its own folder first the same way.
 At the end of the session the outcomes per family are printed and, with
-``DDPBUS_FUZZ_REPORT``, written there as JSON.
+``DDPTEST_FUZZ_REPORT``, written there as JSON.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(
             f"{family:>16}: {total['payloads']:>9} payloads, {total['accepted']:>8} accepted, "
             f"rejections {total['rejections']}")
-    path = os.environ.get("DDPBUS_FUZZ_REPORT")
+    path = os.environ.get("DDPTEST_FUZZ_REPORT")
     if path:
         out = Path(path)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ receivers act on. :func:`decode` is the one probe: it returns the :class:`Envelo
 :class:`DecodeError`, checks that a refusal is one of the reasons the codec documents, and
 turns any other exception into a :class:`Crash` that names the payload.
 
-The budget is ``DDPBUS_FUZZ_EXAMPLES`` mutated payloads per test (per message family and
+The budget is ``DDPTEST_FUZZ_EXAMPLES`` mutated payloads per test (per message family and
 kind); unset, it is the small, derandomized CI run.
 """
 
@@ -58,7 +58,7 @@ BEFORE_PAYLOAD: Final = frozenset({"bad-subject", "foreign-job", "oversize", "mi
 class Budget:
     payloads: int  # mutated payloads per test, at least
     per_example: int  # decoded per hypothesis example (a seeded mutation loop)
-    full: bool  # DDPBUS_FUZZ_EXAMPLES was given: random, not derandomized
+    full: bool  # DDPTEST_FUZZ_EXAMPLES was given: random, not derandomized
 
     @property
     def examples(self) -> int:
@@ -77,7 +77,7 @@ PER_EXAMPLE: Final = 40
 
 
 def budget(environ: Mapping[str, str] = os.environ) -> Budget:
-    raw = environ.get("DDPBUS_FUZZ_EXAMPLES", "")
+    raw = environ.get("DDPTEST_FUZZ_EXAMPLES", "")
     payloads = int(raw) if raw else CI_PAYLOADS
     return Budget(payloads=payloads, per_example=min(PER_EXAMPLE, payloads), full=bool(raw))
 

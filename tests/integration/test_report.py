@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(300)
 PLOTS = ("loss", "throughput", "batch_share", "anchor", "divergence")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # .ci/run installs Chromium and sets this: there its absence fails the test, never skips it
-REQUIRED = os.environ.get("DDPBUS_REQUIRE_CHROMIUM") == "1"
+REQUIRED = os.environ.get("DDPTEST_REQUIRE_CHROMIUM") == "1"
 needs_chromium = pytest.mark.skipif(
     not REQUIRED and not Path(CHROMIUM).exists(),
     reason="no Chromium: install Debian's package 'chromium' (apt-get install chromium) "

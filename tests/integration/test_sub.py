@@ -24,7 +24,7 @@ KEY = b"golden-stream-job-key-0123456789"
 GOLDEN = Path(__file__).resolve().parent / "golden"
 CLI = [sys.executable, "-m", "ddpbus.orchestrator.cli", "sub"]
 STAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
-UPDATE = os.environ.get("DDPBUS_UPDATE_GOLDEN") == "1"
+UPDATE = os.environ.get("DDPTEST_UPDATE_GOLDEN") == "1"
 
 
 async def record(url: str) -> None:
@@ -86,7 +86,7 @@ def golden(name: str, text: str) -> None:
     path = GOLDEN / name
     if UPDATE:
         path.write_text(text)
-    assert text == path.read_text(), f"differs from {path} (DDPBUS_UPDATE_GOLDEN=1 rewrites)"
+    assert text == path.read_text(), f"differs from {path} (DDPTEST_UPDATE_GOLDEN=1 rewrites)"
 
 
 @pytest.fixture
