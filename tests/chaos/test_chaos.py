@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 from faults import FAULTS, loops, scenario_rng
-from jobs import Job, spec, start_job, wait_for
+from jobs import Job, freeze, spec, start_job, wait_for
 from safetensors.torch import load_file
 
 from ddpbus.orchestrator import bundles
@@ -258,7 +258,7 @@ def test_a_stopped_worker_is_fenced_when_it_wakes(broker: EmbeddedBroker, tmp_pa
     job, ledger = run_job(broker, tmp_path, 3, f"stop-{attempt}")
     wait_for("rank 2 to train 4 epochs", lambda: trained_epochs(ledger, 2) >= 4)
     sleeper = job.procs["rank-2"]
-    sleeper.send_signal(signal.SIGSTOP)
+    freeze(sleeper.pid)  # every thread stopped before the clock of the death starts
     FAULTS["worker SIGSTOP"] += 1
     try:
         wait_for("the death", lambda: bool(of(job.events(), "rank-dead")))
@@ -316,7 +316,7 @@ def test_a_standby_takes_over_and_the_stopped_leader_is_deposed(
                                     "--lease-ttl", "2"])
     wait_for("rank 0 to train 4 epochs", lambda: trained_epochs(ledger, 0) >= 4)
     leader = job.procs["coordinator"]
-    leader.send_signal(signal.SIGSTOP)
+    freeze(leader.pid)
     FAULTS["coordinator SIGSTOP (standby takes over)"] += 1
     try:
         wait_for("the standby to resume", lambda: "resuming job" in job.log("standby"))
