@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator import membership, resume
+from ddpbus.orchestrator import resume, session
 from ddpbus.orchestrator.state import (
     Command,
     PendingCheckpoint,
@@ -275,4 +275,4 @@ def maybe_finish(s: State, now: float, out: Out) -> None:
         return
     if s.next_aggregate < s.schedule.epochs:
         return
-    membership.shutdown(s, now, out)
+    session.shutdown(s, now, out)

@@ -15,7 +15,7 @@ from typing import Any, Final
 
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator import callbacks, membership, rounds, window
+from ddpbus.orchestrator import callbacks, membership, rounds, session, settle, window
 from ddpbus.orchestrator.elche import ElChe
 from ddpbus.orchestrator.guard import TrendGuard
 from ddpbus.orchestrator.resume import seed as seed_from_bundle
@@ -137,7 +137,7 @@ def _dispatch(state: State, event: Event, now: float, out: list[Command]) -> Non
     elif isinstance(event, Tick):
         _tick(state, now, out)
     elif isinstance(event, Stop):
-        membership.end_run(state, m.SaveReason.GRACEFUL_SHUTDOWN, event.reason, now, out)
+        session.end_run(state, m.SaveReason.GRACEFUL_SHUTDOWN, event.reason, now, out)
     elif isinstance(event, BusRestored):
         _forgive_silence(state, now)
         out.append(Record("bus-restored", {"away_s": round(event.away_s, 3)}))
@@ -182,7 +182,7 @@ def _tick(state: State, now: float, out: list[Command]) -> None:
     rounds.check_deadline(state, now, out)
     if state.phase in (Phase.FORMING, Phase.TRAINING, Phase.FINISHING):
         membership.check_liveness(state, now, out)
-    membership.maybe_done(state, now, out)
+    session.maybe_done(state, now, out)
 
 
 def _begin_training(state: State, now: float, out: list[Command]) -> None:
@@ -212,7 +212,8 @@ def _timing(state: State, msg: m.TimingMsg, now: float, out: list[Command]) -> N
     if isinstance(msg, m.Batch | m.Reports):
         window.on_reports(state, r, msg, now, out)
     elif isinstance(msg, m.SyncAck):
-        window.on_sync_ack(state, r, msg, now, out)
+        if window.on_sync_ack(state, r, msg, now, out):
+            settle.settle(state, now, out)
         window.maybe_average(state, now, out)
     elif isinstance(msg, m.LrUpdate):
         r.lr = msg.lr

@@ -29,7 +29,7 @@ Hello from a new incarnation of a rank still believed alive declares the old one
 from __future__ import annotations
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator import callbacks, membership, rounds, window
+from ddpbus.orchestrator import callbacks, rounds, session, window
 from ddpbus.orchestrator.pools import equal_split
 from ddpbus.orchestrator.state import (
     Command,
@@ -76,7 +76,7 @@ def lose(s: State, r: RankState, now: float, out: Out) -> None:
     reason = _unrecoverable(s)
     if reason is not None:
         code, text = reason
-        membership.end_run(s, code, f"rank {r.rank} lost: {text}", now, out)
+        session.end_run(s, code, f"rank {r.rank} lost: {text}", now, out)
         return
     _adopt_fresh(s, r, out)
     _fail_over_roles(s, r, out)
@@ -236,7 +236,7 @@ def rebuild(s: State, why: str, now: float, out: Out) -> None:
     if s.resync and s.phase is Phase.FINISHING:
         s.phase = Phase.TRAINING  # one more average, after which the run finishes again
     out.append(Record("session-rebuild", {"why": why, "members": [x.rank for x in s.alive]}))
-    membership.start_session(s, now, out)
+    session.start_session(s, now, out)
 
 
 def after_session(s: State, now: float, out: Out) -> None:
@@ -255,16 +255,16 @@ def _joinable(s: State) -> bool:
 def on_rejoin(s: State, r: RankState, hello: m.Hello, now: float, out: Out) -> None:
     """A restarted incarnation of ``r`` (higher generation) asks to come back."""
     if not _joinable(s):
-        membership.reject(hello, f"the run is {s.phase.value}; no rank can join now", out)
+        session.reject(hello, f"the run is {s.phase.value}; no rank can join now", out)
         return
-    problem = membership.cohort_problem(s, hello)
+    problem = session.cohort_problem(s, hello)
     if problem is not None:
-        membership.reject(hello, problem, out)
+        session.reject(hello, problem, out)
         return
     if r.alive:
         declare_dead(s, r, f"restarted as generation {hello.generation}", now, out)
         if not _joinable(s):
-            membership.reject(hello, "the run ended with the loss of the old incarnation",
+            session.reject(hello, "the run ended with the loss of the old incarnation",
                               out)
             return
     # fresh until an average hands it the consensus (unless nobody alive holds one)
@@ -274,7 +274,7 @@ def on_rejoin(s: State, r: RankState, hello: m.Hello, now: float, out: Out) -> N
                       callback_ms=dict(r.callback_ms))
     s.ranks[r.rank] = fresh
     s.rejoins += 1
-    membership.accept(s, hello, out)
+    session.accept(s, hello, out)
     out.append(Record("rank-rejoined", {"rank": r.rank, "generation": hello.generation,
                                         "host": hello.host, "pid": hello.pid,
                                         "alive": [x.rank for x in s.alive]}))

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator import callbacks, recovery, rounds
+from ddpbus.orchestrator import callbacks, rounds
 from ddpbus.orchestrator.aggregate import aggregate_epoch
 from ddpbus.orchestrator.elche import RankWindow, WindowReport, clamp_total
 from ddpbus.orchestrator.pools import Pool, equal_split, proportional_split
@@ -204,7 +204,7 @@ def _blocker(s: State) -> RankState | None:
     return r
 
 
-def _unacked(s: State) -> RankState | None:
+def unacked(s: State) -> RankState | None:
     """An alive rank that has not answered the latest SyncNow."""
     r = _holdout(s, s.ack_hint, lambda r: r.acked)
     if r is not None:
@@ -269,11 +269,14 @@ def sync(s: State, now: float, out: Out) -> None:
     callbacks.retry_checkpoints(s, out)
 
 
-def on_sync_ack(s: State, r: RankState, msg: m.SyncAck, now: float, out: Out) -> None:
+def on_sync_ack(s: State, r: RankState, msg: m.SyncAck, now: float, out: Out) -> bool:
+    """Take one rank's SyncAck in; False (and a Refuse) for one with no average pending.
+    The caller settles the round (:func:`~ddpbus.orchestrator.settle.settle`) after each
+    accepted ack."""
     if r.acked:
         out.append(Refuse("unexpected-ack", f"SyncAck from rank {r.rank} with no average "
                           "pending for it"))
-        return
+        return False
     r.acked = True
     if msg.failed:
         # the collective failed (a peer died or hung): this rank kept its own parameters
@@ -309,36 +312,7 @@ def on_sync_ack(s: State, r: RankState, msg: m.SyncAck, now: float, out: Out) ->
     r.unacked_reports.clear()
     if not msg.failed:
         r.seal(msg.step_count)
-    settle(s, now, out)
-
-
-def settle(s: State, now: float, out: Out) -> None:
-    """Once every alive rank answered the latest SyncNow: the guard's verdict, the lost work
-    of ranks that died in the round, a new communicator after a failed collective."""
-    all_acked = _unacked(s) is None
-    if not all_acked or s.settled_round >= s.rounds:
-        if s.orphans and all_acked:
-            recovery.resolve_orphans(s, now, out)
-        return
-    alive = s.alive
-    s.settled_at, s.settled_round = now, s.rounds
-    s.reduce_ms = (now - (s.sync_sent_at or now)) * 1000.0
-    if s.round_ok is False:
-        out.append(Record("averaged", {"round": s.rounds, "failed": True}))
-    else:
-        members = set(s.round_members)
-        movers = [x for x in alive if x.rank in members]
-        divergences = [x.divergence for x in movers if x.divergence is not None]
-        s.pending_verdict = s.guard.observe(divergences)
-        out.append(Record("averaged", {"round": s.rounds, "reduce_ms": s.reduce_ms,
-                                       "divergence": max(divergences, default=0.0),
-                                       "verdict": s.pending_verdict.verdict.value}))
-    if s.orphans:
-        recovery.resolve_orphans(s, now, out)
-    if s.resync and s.rendezvous is None and s.phase in (Phase.TRAINING, Phase.FINISHING):
-        recovery.rebuild(s, "a collective failed", now, out)
-    compact_pools(s)
-    callbacks.maybe_finish(s, now, out)
+    return True
 
 
 def compact_pools(s: State) -> None:
