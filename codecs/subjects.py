@@ -157,7 +157,15 @@ def stream_name(job: str) -> str:
     return f"DDPBUS_{check_job(job)}"
 
 
+# Keys of the job's KV bucket (kv_bucket): every key name in one place. subjects.md lists them.
 SUMMARY_KEY: Final = "run.summary"  # the run's summary, written once the run is over
+CONFIG_KEY: Final = "run.config"  # the run's settings, as the coordinator resolved them
+LEASE_KEY: Final = "coordinator.lease"  # the leader lease (compare-and-set)
+SNAPSHOT_KEY: Final = "coordinator.snapshot"  # the last full snapshot of the core
+JOURNAL_PREFIX: Final = "coordinator.journal"  # journal segments: <prefix>.<base>.<index>
+LATEST_BUNDLE_KEY: Final = "bundle.latest"  # the manifest of the newest resume bundle
+RESUME_BUNDLE_KEY: Final = "bundle.resume"  # the bundle a resumed run started from
+RENDEZVOUS_PREFIX: Final = "td."  # torch.distributed's rendezvous store, base64url keys
 
 
 def kv_bucket(job: str) -> str:

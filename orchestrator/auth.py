@@ -39,7 +39,6 @@ from nats.aio.client import Client
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import ConfigError
 from ddpbus.orchestrator import bus
-from ddpbus.orchestrator.bundles import LATEST_KEY
 
 COORDINATOR: Final = sj.COORDINATOR
 OBSERVER: Final = "observer"
@@ -130,7 +129,7 @@ def permissions(job: str, identity: str, *, resume_from: Sequence[str] = ()) -> 
     pub += [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.CONSUMER.INFO.{stream}.{me}",
             f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{me}", f"$JS.ACK.{stream}.{me}.>",
             *_read_kv(job), f"$KV.{kv}.generation.{me}", f"$KV.{kv}.td.>",
-            f"$KV.{kv}.{LATEST_KEY}", *_read_objects(job),
+            f"$KV.{kv}.{sj.LATEST_BUNDLE_KEY}", *_read_objects(job),
             f"$O.{sj.rounds_bucket(job)}.>", f"$O.{sj.bundles_bucket(job)}.>",
             f"$JS.API.STREAM.PURGE.{res['rounds']}", f"$JS.API.STREAM.PURGE.{res['bundles']}",
             *earlier]

@@ -49,12 +49,10 @@ from ddpbus.codecs.errors import DdpbusError
 from ddpbus.orchestrator import bus
 from ddpbus.orchestrator.resume import SCHEMA_VERSION, BundleError
 
-__all__ = ["LATEST_KEY", "RESUME_KEY", "SCHEMA_VERSION", "BundleError", "Manifest",
+__all__ = ["SCHEMA_VERSION", "BundleError", "Manifest",
            "bucket", "check_fits", "latest", "object_store", "read_blobs", "read_directory",
            "resolve", "write"]
 
-LATEST_KEY: Final = "bundle.latest"
-RESUME_KEY: Final = "bundle.resume"
 KEEP_VERSIONS: Final = 2  # object-store bundles kept per job (older ones are deleted)
 PARTS: Final = ("model", "optim")
 
@@ -143,25 +141,25 @@ async def _commit(js: JetStreamContext, job: str, manifest: Manifest) -> bool:
     kv = await js.key_value(sj.kv_bucket(job))
     for _ in range(20):
         try:
-            entry = await kv.get(LATEST_KEY)
+            entry = await kv.get(sj.LATEST_BUNDLE_KEY)
         except KeyNotFoundError:
             entry = None
         current = None
         if entry is not None and entry.value:
             with contextlib.suppress(BundleError):
-                current = Manifest.from_json(entry.value, LATEST_KEY)
+                current = Manifest.from_json(entry.value, sj.LATEST_BUNDLE_KEY)
         if current is not None and current.version >= manifest.version:
             return False
         try:
             if entry is None:
-                await kv.create(LATEST_KEY, manifest.to_json())
+                await kv.create(sj.LATEST_BUNDLE_KEY, manifest.to_json())
             else:
-                await kv.update(LATEST_KEY, manifest.to_json(), last=entry.revision)
+                await kv.update(sj.LATEST_BUNDLE_KEY, manifest.to_json(), last=entry.revision)
         except KeyWrongLastSequenceError:
             continue  # another commit landed in between: look again
         return True
-    raise BundleError(f"bundle v{manifest.version}: {LATEST_KEY} of job {job} kept changing "
-                      "under 20 compare-and-set attempts")
+    raise BundleError(f"bundle v{manifest.version}: {sj.LATEST_BUNDLE_KEY} of job {job} kept "
+                      "changing under 20 compare-and-set attempts")
 
 
 def _describe(name: str, blob: bytes) -> dict[str, Any]:
@@ -234,7 +232,8 @@ async def _prune(js: JetStreamContext, job: str, newest: int) -> None:
 # ------------------------------------------------------------------ reading
 
 
-async def latest(js: JetStreamContext, job: str, key: str = LATEST_KEY) -> Manifest | None:
+async def latest(js: JetStreamContext, job: str, key: str = sj.LATEST_BUNDLE_KEY
+                 ) -> Manifest | None:
     """The manifest under ``key`` in ``job``'s KV, None if there is none."""
     try:
         kv = await js.key_value(sj.kv_bucket(job))
@@ -318,7 +317,7 @@ async def resolve(js: JetStreamContext, source: str) -> Manifest:
     found = await latest(js, source)
     if found is None:
         raise BundleError(f"--resume {source}: job {source!r} has no bundle on this broker "
-                          f"(no {LATEST_KEY} in {sj.kv_bucket(source)})")
+                          f"(no {sj.LATEST_BUNDLE_KEY} in {sj.kv_bucket(source)})")
     return found
 
 

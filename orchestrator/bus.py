@@ -29,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import nats
 from nats.aio.client import Client
@@ -61,8 +61,13 @@ from ddpbus.codecs import Outbound
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
 
-if TYPE_CHECKING:
-    from ddpbus.orchestrator.auth import NatsAuth
+
+class Login(Protocol):
+    """Who a client is (:class:`~ddpbus.orchestrator.auth.NatsAuth` is the one kind): the
+    bus needs only its ``nats.connect`` options, so it does not depend on the auth module."""
+
+    def connect_options(self) -> dict[str, Any]: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +128,7 @@ class _ErrorLog:
 
 
 async def connect(url: str, *, name: str, deadline: timedelta = timedelta(seconds=30),
-                  auth: NatsAuth | None = None, inbox_prefix: str | None = None,
+                  auth: Login | None = None, inbox_prefix: str | None = None,
                   on_disconnect: Hook | None = None, on_reconnect: Hook | None = None
                   ) -> Client:
     """Connect with exponential back-off until ``deadline``; afterwards reconnect forever.

@@ -56,7 +56,6 @@ from ddpbus.orchestrator.state import (
 
 log = logging.getLogger(__name__)
 
-PREFIX: Final = "coordinator.journal"
 FULL_EVERY_S: Final = 1.0  # a full snapshot wanted this long after the previous one
 OVERDUE: Final = 5.0  # ... and forced this many intervals after it, quiet moment or not
 MAX_EVENTS: Final = 50_000  # applied without any write: the next write is a full one
@@ -104,7 +103,7 @@ class Segment:
 
 
 def key(base: str, index: int) -> str:
-    return f"{PREFIX}.{base}.{index}"
+    return f"{sj.JOURNAL_PREFIX}.{base}.{index}"
 
 
 def replay(state: State, segments: list[Segment], decoder: Decoder) -> State:
@@ -256,7 +255,7 @@ class Writer:
         self.base, self.index, self.full_at = base, 0, now
         try:
             await self.js.purge_stream(sj.kv_stream(self.job),
-                                       subject=sj.kv_subject(self.job, f"{PREFIX}.>"))
+                                       subject=sj.kv_subject(self.job, f"{sj.JOURNAL_PREFIX}.>"))
         except (OSError, TimeoutError, APIError) as exc:  # garbage, purged next time
             log.warning("could not purge old journal segments: %s", exc)
 
@@ -270,7 +269,7 @@ class Writer:
         out = Outbound(subject=sj.kv_subject(self.job, name), payload=payload,
                        headers={sj.H_EXPECT_LAST_SUBJECT_SEQ: str(snapshot_rev),
                                 sj.H_EXPECT_LAST_SUBJECT_SEQ_SUBJECT:
-                                    sj.kv_subject(self.job, snapshot.SNAPSHOT_KEY),
+                                    sj.kv_subject(self.job, sj.SNAPSHOT_KEY),
                                 sj.H_MSG_ID: f"{self.job}.{name}"})  # a retried lost ack
 
         async def put() -> None:

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
 
 log = logging.getLogger(__name__)
 
-LEASE_KEY = "coordinator.lease"
 
 
 class LeaseLost(DdpbusError, RuntimeError):
@@ -50,7 +50,7 @@ def _value(holder: str, expires: float) -> bytes:
 
 async def read(kv: KeyValue) -> Holder | None:
     try:
-        entry = await kv.get(LEASE_KEY)
+        entry = await kv.get(sj.LEASE_KEY)
     except KeyNotFoundError:
         return None
     if not entry.value:
@@ -95,16 +95,16 @@ class Lease:
         try:
             if current is None:
                 try:
-                    self.revision = await self.kv.create(LEASE_KEY, value)
+                    self.revision = await self.kv.create(sj.LEASE_KEY, value)
                 except KeyWrongLastSequenceError:
                     # a deleted key has a tombstone revision: update against it
-                    entry = await self.kv.get(LEASE_KEY)
-                    self.revision = await self.kv.update(LEASE_KEY, value,
+                    entry = await self.kv.get(sj.LEASE_KEY)
+                    self.revision = await self.kv.update(sj.LEASE_KEY, value,
                                                          last=entry.revision)
             elif current.expires > now and current.holder != self.holder:
                 return False
             else:
-                self.revision = await self.kv.update(LEASE_KEY, value, last=current.revision)
+                self.revision = await self.kv.update(sj.LEASE_KEY, value, last=current.revision)
         except (KeyWrongLastSequenceError, KeyNotFoundError):
             return False  # somebody else won the race
         self.renewed_at = now
@@ -156,14 +156,14 @@ class Lease:
         value = _value(self.holder, now + self.ttl)
         try:
             try:
-                self.revision = await self.kv.update(LEASE_KEY, value, last=self.revision)
+                self.revision = await self.kv.update(sj.LEASE_KEY, value, last=self.revision)
             except KeyWrongLastSequenceError:
                 current = await read(self.kv)
                 if current is None or current.holder != self.holder:
                     raise
                 # our own renewal, stored just before the broker went away, its ack lost
                 # (or a data loss that kept an older one of ours)
-                self.revision = await self.kv.update(LEASE_KEY, value,
+                self.revision = await self.kv.update(sj.LEASE_KEY, value,
                                                      last=current.revision)
         except KeyWrongLastSequenceError:
             log.error("the coordinator lease was taken over; this coordinator is "  # noqa: TRY400
@@ -195,11 +195,11 @@ class Lease:
         async with self._renewing:
             try:
                 try:
-                    await self.kv.update(LEASE_KEY, b"", last=self.revision)
+                    await self.kv.update(sj.LEASE_KEY, b"", last=self.revision)
                 except KeyWrongLastSequenceError:
                     current = await read(self.kv)
                     if current is None or current.holder != self.holder:
                         return  # released already, or not ours any more
-                    await self.kv.update(LEASE_KEY, b"", last=current.revision)
+                    await self.kv.update(sj.LEASE_KEY, b"", last=current.revision)
             except Exception as exc:  # it expires on its own anyway
                 log.debug("lease release failed: %s", exc)

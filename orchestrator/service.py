@@ -85,7 +85,6 @@ log = logging.getLogger(__name__)
 events_log = logging.getLogger("ddpbus.orchestrator.events")
 
 TICK_S = 0.1
-CONFIG_KEY = "run.config"
 
 
 class JobInUse(DdpbusError, RuntimeError):
@@ -336,7 +335,7 @@ class Coordinator:
             if s.resume is not None:
                 await self._adopt_bundle(js, kv, s.resume)
             self.state = initial_state(self.config, self.clock())
-            await kv.put(CONFIG_KEY, json.dumps(describe(self.config.schedule)).encode())
+            await kv.put(sj.CONFIG_KEY, json.dumps(describe(self.config.schedule)).encode())
         elif snap.state.phase is not Phase.DONE:
             if s.resume is not None:
                 log.info("--resume %s was applied when job %s began; continuing from its "
@@ -417,7 +416,7 @@ class Coordinator:
         fresh one, or one whose predecessor read messages that led to no command: see
         ``_start_afresh``). A snapshot that cannot be used cannot be resumed from."""
         try:
-            entry = await kv.get(snapshot.SNAPSHOT_KEY)
+            entry = await kv.get(sj.SNAPSHOT_KEY)
             data = entry.value or b""
             self._snapshot_rev = entry.revision
         except KeyNotFoundError:
@@ -474,7 +473,7 @@ class Coordinator:
                            epochs=sched.epochs)
         point = bundle_resume.point(manifest.describe(), manifest.version, manifest.meta)
         self.config = dataclasses.replace(self.config, resume=point)
-        await kv.put(bundles.RESUME_KEY, manifest.to_json())
+        await kv.put(sj.RESUME_BUNDLE_KEY, manifest.to_json())
         log.warning("job %s resumes from %s", self.settings.job, manifest.describe())
         self._record(Record("resumed-from-bundle", {
             "source": source, "job": manifest.job, "version": manifest.version,
@@ -565,7 +564,7 @@ class Coordinator:
 
     async def _store(self, data: bytes) -> int:
         """One compare-and-set write of the snapshot key against our last revision."""
-        key = snapshot.SNAPSHOT_KEY
+        key = sj.SNAPSHOT_KEY
         if self._snapshot_rev is None:
             return int(await self.kv.put(key, data))
         try:

@@ -39,7 +39,6 @@ from ddpbus.codecs import Outbound
 from ddpbus.codecs.errors import DdpbusError
 from ddpbus.orchestrator.state import State
 
-SNAPSHOT_KEY: Final = "coordinator.snapshot"
 MAGIC: Final = b"DDPBUS-SNAP-3\n"
 OLDER: Final = (b"DDPBUS-SNAP-2\n",)  # still read: a coordinator upgraded mid-job resumes
 

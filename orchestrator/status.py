@@ -22,7 +22,6 @@ from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
 from ddpbus.orchestrator import bundles, journal, snapshot
 from ddpbus.orchestrator.auth import Access, access
-from ddpbus.orchestrator.lease import LEASE_KEY
 from ddpbus.orchestrator.lease import parse as parse_lease
 from ddpbus.orchestrator.state import State
 
@@ -87,7 +86,7 @@ async def gather(js: JetStreamContext, job: str, key: bytes) -> dict[str, Any]:
                         f"or bucket {sj.kv_bucket(job)})") from None
     now = time.time()
     out: dict[str, Any] = {"job": job}
-    raw = await _get(kv, snapshot.SNAPSHOT_KEY)
+    raw = await _get(kv, sj.SNAPSHOT_KEY)
     if raw is None:
         out["phase"] = "not started (no coordinator snapshot yet)"
     else:
@@ -98,7 +97,7 @@ async def gather(js: JetStreamContext, job: str, key: bytes) -> dict[str, Any]:
         out |= from_state(snap.state, now)
         out["snapshot"] = {"stream_seq": snap.stream_seq,
                            "age_s": round(now - snap.saved_at, 3)}
-    lease = await _get(kv, LEASE_KEY)
+    lease = await _get(kv, sj.LEASE_KEY)
     if lease:
         held = parse_lease(lease, 0)  # an unreadable value reads as expired
         out["lease"] = {"holder": held.holder, "expires_in_s": round(held.expires - now, 3)}

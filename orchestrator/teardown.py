@@ -38,7 +38,6 @@ from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
 from ddpbus.orchestrator import bundles
 from ddpbus.orchestrator.auth import Access, access
-from ddpbus.orchestrator.lease import LEASE_KEY
 from ddpbus.orchestrator.lease import parse as parse_lease
 from ddpbus.orchestrator.status import NoSuchJob
 
@@ -113,7 +112,7 @@ async def _kv_value(js: JetStreamContext, job: str, key: str) -> bytes | None:
 async def check(nc: Client, job: str, *, force: bool, listen: float = LISTEN) -> None:
     """Raise unless the job may be deleted (see the module's docstring)."""
     js = nc.jetstream()
-    lease = await _kv_value(js, job, LEASE_KEY)
+    lease = await _kv_value(js, job, sj.LEASE_KEY)
     if lease is not None:
         holder = parse_lease(lease, 0)
         left = holder.expires - time.time()

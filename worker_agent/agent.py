@@ -43,9 +43,10 @@ from ddpbus.orchestrator import bundles, bus, reducer
 from ddpbus.orchestrator.auth import Access
 from ddpbus.orchestrator.tasks import Watch
 from ddpbus.worker_agent import checkpoint
+from ddpbus.worker_agent.callbacks import Outcome
 from ddpbus.worker_agent.rendezvous import NatsKVStore
 from ddpbus.worker_agent.spec import TrainSpec
-from ddpbus.worker_agent.trainer import Consensus, Outcome, Trainer, TrainerSettings
+from ddpbus.worker_agent.trainer import Consensus, Trainer, TrainerSettings
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +222,7 @@ class WorkerAgent:
         s = self.settings
         # a restarted incarnation continues from its run's latest bundle (on any host);
         # loaded once admitted, after the run's settings scaled the learning rate
-        own = await self._find_bundle(bundles.LATEST_KEY) if self.resume_seq else None
+        own = await self._find_bundle(sj.LATEST_BUNDLE_KEY) if self.resume_seq else None
         loaded = int(own.meta.get("global_step", 0)) if own is not None else (
             self._warm_start(trainer))
         hello = m.Hello(rank=s.rank, generation=self.generation, host=socket.gethostname(),
@@ -309,7 +310,7 @@ class WorkerAgent:
         of the next average."""
         manifest, required = own, False
         if manifest is None:
-            manifest, required = await self._find_bundle(bundles.RESUME_KEY), True
+            manifest, required = await self._find_bundle(sj.RESUME_BUNDLE_KEY), True
         if manifest is None:
             return True
         started = time.monotonic()

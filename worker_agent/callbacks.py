@@ -14,16 +14,64 @@ import logging
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ddpbus.codecs import messages as m
 from ddpbus.worker_agent import checkpoint
+from ddpbus.worker_agent.spec import TrainSpec, WorkerContext
 
-if TYPE_CHECKING:
-    from ddpbus.worker_agent.trainer import Outcome, Trainer
+
+@dataclass(slots=True)
+class Outcome:
+    """How a trainer's run ended: cleanly or not, why, and the save the coordinator asked."""
+
+    clean: bool
+    reason: str
+    save_reason: m.SaveReason | None = None
+
+
+class HostSettings(Protocol):
+    """The trainer's settings these handlers read (``TrainerSettings``)."""
+
+    @property
+    def out_dir(self) -> Path | None: ...
+    @property
+    def final_state(self) -> Path | None: ...
+    @property
+    def bundle_sink(self) -> Callable[[int, dict[str, bytes], dict[str, Any]], None] | None: ...
+
+
+class Trainer(Protocol):
+    """What the handlers need of the trainer they serve (``trainer.Trainer`` is the one
+    kind). A protocol, so that this module does not import the trainer that imports it."""
+
+    rank: int
+    world_size: int
+    epoch: int | None
+    step: int
+    global_step: int
+    ready_at: float
+    unaveraged: bool
+    consensus: list[torch.Tensor] | None
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    eval_dataset: Any
+    ctx: WorkerContext
+
+    @property
+    def spec(self) -> TrainSpec: ...
+    @property
+    def settings(self) -> HostSettings: ...
+    def active_run(self) -> m.RunConfig: ...
+    def outbox(self, msg: m.Message, *, durable: bool = True) -> None: ...
+    def send_intents(self) -> None: ...
+    def consensus_view(self) -> AbstractContextManager[None]: ...
+    def adopt_consensus(self) -> None: ...
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +124,7 @@ def run_eval(trainer: Trainer, msg: m.ExecuteEvalCallback) -> None:
             error = UNAVERAGED
         elif msg.adopt_consensus and trainer.consensus is None:
             error = ("adopt_consensus needs a retained consensus copy; backend "
-                     f"{trainer._run().backend.value} averages in place, so the live model "
+                     f"{trainer.active_run().backend.value} averages in place, so the live model "
                      "already is the consensus")
         else:
             model = trainer.model
@@ -200,7 +248,6 @@ def save_final(trainer: Trainer, path: Path) -> None:
 
 def handle(trainer: Trainer, msg: m.ControlMsg) -> Outcome | None:
     """Control messages without a handler on the trainer itself."""
-    from ddpbus.worker_agent.trainer import Outcome
 
     if isinstance(msg, m.ExecuteEvalCallback):
         run_eval(trainer, msg)
@@ -220,7 +267,7 @@ def handle(trainer: Trainer, msg: m.ControlMsg) -> Outcome | None:
     elif isinstance(msg, m.Update):
         log.error("rank %d: Update refused: backend %s averages with collectives, not "
                   "through the broker (changes nothing)", trainer.rank,
-                  trainer._run().backend.value)
+                  trainer.active_run().backend.value)
     elif isinstance(msg, m.StageAdvisory):
         log.debug("rank %d: StageAdvisory noted (this rank has no background stager)",
                   trainer.rank)

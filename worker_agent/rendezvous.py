@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _TRANSIENT = TRANSIENT_ERRORS  # a broker restart: set/get/check/wait are retried through it
 
-KEY_PREFIX = "td."
 """KV keys of the rendezvous: ``td.<base64url(torch key)>`` (torch keys may hold any text)."""
 
 
@@ -53,7 +52,7 @@ class _Absent(Exception):
 
 
 def kv_key(key: str) -> str:
-    return KEY_PREFIX + base64.urlsafe_b64encode(key.encode()).decode().rstrip("=")
+    return sj.RENDEZVOUS_PREFIX + base64.urlsafe_b64encode(key.encode()).decode().rstrip("=")
 
 
 class NatsKVStore(Store):
@@ -194,7 +193,7 @@ class NatsKVStore(Store):
                 keys = await self.kv.keys()
             except NoKeysError:
                 return 0
-            return sum(1 for k in keys if k.startswith(KEY_PREFIX))
+            return sum(1 for k in keys if k.startswith(sj.RENDEZVOUS_PREFIX))
 
         return self._call(count())
 

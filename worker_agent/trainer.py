@@ -39,6 +39,7 @@ from torch._C._distributed_c10d import PrefixStore, Store  # typed re-exports of
 from ddpbus.codecs import messages as m
 from ddpbus.orchestrator.reports import ReportBuffer
 from ddpbus.worker_agent import averaging, callbacks, checkpoint
+from ddpbus.worker_agent.callbacks import Outcome
 from ddpbus.worker_agent.data import BatchFetcher, plan_indices
 from ddpbus.worker_agent.spec import (
     ScalarLedger,
@@ -88,13 +89,6 @@ class Consensus:
     blob: bytes | None
     error: str = ""
     refused: str = ""  # the rejection reason when the fetched object was refused
-
-
-@dataclass(slots=True)
-class Outcome:
-    clean: bool
-    reason: str
-    save_reason: m.SaveReason | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -265,11 +259,11 @@ class Trainer(threading.Thread):
         self._held.append((msg, durable))
         if isinstance(msg, m.SyncAck):  # the window is over: its held metrics go soon
             self._held += self._reports.acked(time.perf_counter(),
-                                              self._run().report_interval_ms)
+                                              self.active_run().report_interval_ms)
 
     def _report(self, items: list[m.Batch | m.LrUpdate], now: float, *, closing: bool) -> None:
         """Per-batch reports, coalesced (:mod:`ddpbus.orchestrator.reports`)."""
-        if self._reports.add(items, now, self._run().report_interval_ms, closing=closing):
+        if self._reports.add(items, now, self.active_run().report_interval_ms, closing=closing):
             self.flush_reports(durable=closing)
         else:
             self._held += self._reports.overdue(now)
@@ -277,7 +271,7 @@ class Trainer(threading.Thread):
     def flush_reports(self, *, durable: bool = False) -> None:
         """Queue the held per-batch reports (one Reports, or a lone one as itself)."""
         if self._reports.items:
-            self._held += self._reports.take(self._run().report_interval_ms, durable=durable)
+            self._held += self._reports.take(self.active_run().report_interval_ms, durable=durable)
 
     def release(self) -> None:
         """Hand queued reports to the agent's loop. Called while this thread is about to
@@ -314,7 +308,7 @@ class Trainer(threading.Thread):
         # rebuilt (sessions > 0): only the collective needs the group
         # barrier-paced policies (sync, cadence) train from the consensus, as with a
         # collective; async trains on while its round is in flight (and blends)
-        waiting = self._round is not None and self._run().policy is not m.Policy.ASYNC
+        waiting = self._round is not None and self.active_run().policy is not m.Policy.ASYNC
         return (self.sessions > 0 and w.open and w.steps < w.budget and bool(self.plans)
                 and not self.throttled and not waiting)
 
@@ -369,7 +363,7 @@ class Trainer(threading.Thread):
     # ---------------------------------------------------------- control messages
 
     def _on_session(self, msg: m.NewNcclSession) -> None:
-        run = self._run()
+        run = self.active_run()
         self._leave_group()
         backend = "nccl" if run.backend is m.Backend.NCCL else "gloo"
         prefix = f"pg/{msg.uid_bytes[:16].hex()}/"
@@ -442,7 +436,7 @@ class Trainer(threading.Thread):
         """Queue samples ``[offset, offset + size)`` of ``epoch``'s permutation; a slice
         that is empty or leaves the dataset is refused (training it would train an empty or
         short batch, and report samples that do not exist)."""
-        run = self._run()
+        run = self.active_run()
         if size <= 0 or offset < 0 or offset + size > run.dataset_size:
             self._refuse("plan-out-of-range", f"{what} for epoch {epoch}, samples "
                          f"[{offset}, {offset + size}), refused: the dataset has "
@@ -461,7 +455,7 @@ class Trainer(threading.Thread):
             self.settings.refusal_sink(reason)
 
     def _on_sync(self, _msg: m.SyncNow) -> None:
-        run = self._run()
+        run = self.active_run()
         if run.backend is m.Backend.BROKER:
             log.error("rank %d: SyncNow refused: backend broker averages through snapshots, "
                       "there is no collective (changes nothing)", self.rank)
@@ -494,7 +488,7 @@ class Trainer(threading.Thread):
     # ------------------------------------------------------ the broker backend
 
     def _on_request_params(self, msg: m.RequestParams) -> None:
-        run = self._run()
+        run = self.active_run()
         if run.backend is not m.Backend.BROKER or self.settings.contribution_sink is None:
             log.error("rank %d: RequestParams refused: backend %s averages with collectives "
                       "(changes nothing)", self.rank, run.backend.value)
@@ -518,7 +512,7 @@ class Trainer(threading.Thread):
                         msg.version, "none" if snap is None else snap.version)
             return None
         self._round, self.throttled = None, False
-        run = self._run()
+        run = self.active_run()
         alpha = 1.0 if snap.mass == 0 else run.easgd_alpha  # idle: nothing of its own to keep
         usable = msg.realized and arrived.blob is not None and (
             self.rank in msg.accepted or snap.mass == 0)
@@ -588,7 +582,7 @@ class Trainer(threading.Thread):
     def _on_eval_broadcast(self, msg: m.EvalBroadcast) -> None:
         self.ctx.last_eval = (msg.epoch, msg.metric)
 
-    def _run(self) -> m.RunConfig:
+    def active_run(self) -> m.RunConfig:
         if self.run_config is None:
             raise RuntimeError("control message before the run configuration (Accept)")
         return self.run_config
@@ -611,7 +605,7 @@ class Trainer(threading.Thread):
         if self.epoch is None or plan.epoch > self.epoch:
             self._enter_epoch(plan.epoch)
         self.ctx.epoch = plan.epoch
-        run = self._run()
+        run = self.active_run()
         t0 = time.perf_counter()
         if plan.started_at is None:
             plan.started_at = t0
@@ -660,7 +654,7 @@ class Trainer(threading.Thread):
 
     def _finish_plan(self, plan: Plan, now: float) -> None:
         self.plans.popleft()
-        run = self._run()
+        run = self.active_run()
         metrics = m.MetricsMsg(
             rank=self.rank, epoch=plan.epoch,
             avg_loss=plan.loss_sum / plan.batches if plan.batches else math.nan,

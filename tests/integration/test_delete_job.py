@@ -19,7 +19,6 @@ from ddpbus.codecs import subjects as sj
 from ddpbus.orchestrator import teardown
 from ddpbus.orchestrator.broker import EmbeddedBroker
 from ddpbus.orchestrator.bus import connect
-from ddpbus.orchestrator.lease import LEASE_KEY
 from ddpbus.orchestrator.provision import ensure_job
 
 pytestmark = pytest.mark.timeout(240)
@@ -100,12 +99,12 @@ async def _refusals(url: str, job: str) -> None:
     try:
         kv = await nc.jetstream().key_value(sj.kv_bucket(job))
         # a coordinator holds the lease: refused even when forced
-        await kv.put(LEASE_KEY, json.dumps({"holder": "coord-a",
+        await kv.put(sj.LEASE_KEY, json.dumps({"holder": "coord-a",
                                             "expires": time.time() + 30}).encode())
         with pytest.raises(teardown.JobRunning, match="coordinator coord-a holds its lease"):
             await teardown.delete(url, job, force=True, listen=0.3)
         # the lease ran out but a rank still beats: refused even when forced
-        await kv.put(LEASE_KEY, json.dumps({"holder": "coord-a",
+        await kv.put(sj.LEASE_KEY, json.dumps({"holder": "coord-a",
                                             "expires": time.time() - 1}).encode())
         stop = asyncio.Event()
         beating = asyncio.create_task(_beat(nc, f"ddpbus.{job}.live.rank.0", stop))

@@ -11,7 +11,7 @@ from nats.js.api import KeyValueConfig
 
 from ddpbus.codecs import Outbound
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator import bus, journal, snapshot
+from ddpbus.orchestrator import bus, journal
 from ddpbus.orchestrator.state import Tick
 
 KEY = b"journal-store-key-0123456789abcd"
@@ -35,7 +35,7 @@ async def store(nc: Client):  # type: ignore[no-untyped-def]
 
 async def _on_base(js, kv) -> tuple[journal.Writer, int]:  # type: ignore[no-untyped-def]
     """A writer on base 1.0 of a stored snapshot, and that snapshot's revision."""
-    rev = await kv.put(snapshot.SNAPSHOT_KEY, b"full snapshot 1")
+    rev = await kv.put(sj.SNAPSHOT_KEY, b"full snapshot 1")
     w = journal.Writer(js, JOB, KEY)
     await w.rebased("1.0", 0.0)
     return w, rev
@@ -48,7 +48,7 @@ async def test_a_rewritten_snapshot_fences_the_old_writer(store) -> None:  # typ
     await old.append(_seg(11), rev, bus.retry_while_away)
     assert [s.stream_seq for s in await journal.read(kv, "1.0", KEY)] == [10, 11]
     # the successor re-writes what it loaded, compare-and-set: the old writer is fenced
-    await kv.update(snapshot.SNAPSHOT_KEY, b"full snapshot 1", last=rev)
+    await kv.update(sj.SNAPSHOT_KEY, b"full snapshot 1", last=rev)
     with pytest.raises(journal.Deposed):
         await old.append(_seg(12), rev, bus.retry_while_away)
     assert [s.stream_seq for s in await journal.read(kv, "1.0", KEY)] == [10, 11]
@@ -59,12 +59,12 @@ async def test_a_new_base_purges_the_older_segments(store) -> None:  # type: ign
     js, kv = store
     w, rev = await _on_base(js, kv)
     await w.append(_seg(10), rev, bus.retry_while_away)
-    rev = await kv.put(snapshot.SNAPSHOT_KEY, b"full snapshot 2")
+    rev = await kv.put(sj.SNAPSHOT_KEY, b"full snapshot 2")
     await w.rebased("1.1", 1.0)
     assert await journal.read(kv, "1.0", KEY) == []
     await w.append(_seg(20), rev, bus.retry_while_away)
     assert [s.stream_seq for s in await journal.read(kv, "1.1", KEY)] == [20]
-    assert (await kv.get(snapshot.SNAPSHOT_KEY)).value == b"full snapshot 2"  # untouched
+    assert (await kv.get(sj.SNAPSHOT_KEY)).value == b"full snapshot 2"  # untouched
 
 
 async def test_a_retried_segment_is_stored_once(store) -> None:  # type: ignore[no-untyped-def]

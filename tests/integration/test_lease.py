@@ -8,6 +8,7 @@ import asyncio
 import pytest
 from nats.aio.client import Client
 
+from ddpbus.codecs import subjects as sj
 from ddpbus.orchestrator import lease
 
 
@@ -87,7 +88,7 @@ async def test_a_renewal_that_landed_after_its_task_was_cancelled_is_released_to
     (a standby, and `ddpbus status`, saw it held for a whole TTL after the run)."""
     a = lease.Lease(kv, "a", ttl=5.0)
     await a.take(wait=False)
-    await kv.update(lease.LEASE_KEY, b'{"holder": "a", "expires": 1e12}', last=a.revision)
+    await kv.update(sj.LEASE_KEY, b'{"holder": "a", "expires": 1e12}', last=a.revision)
     await a.release()
     assert await lease.read(kv) is None
     b = lease.Lease(kv, "b", ttl=5.0)
@@ -103,7 +104,7 @@ async def test_a_stale_revision_of_our_own_is_adopted(kv) -> None:  # type: igno
     # revision is stale, but the key is still its own
     a = lease.Lease(kv, "a", ttl=5.0)
     await a.take(wait=False)
-    a.revision = await kv.update(lease.LEASE_KEY, b'{"holder": "a", "expires": 0}',
+    a.revision = await kv.update(sj.LEASE_KEY, b'{"holder": "a", "expires": 0}',
                                  last=a.revision) - 1
     assert await a._renew_once()
     assert not a.lost.is_set()
