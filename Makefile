@@ -58,7 +58,7 @@ test-all: test pytest-slow
 # failed in any round lands in bench/results/flake-hunt-*.json
 ROUNDS ?= 5
 flake-hunt: install
-	$(PY) tests/flake_hunt.py --rounds $(ROUNDS)
+	$(PY) tests/flake_hunt.py --rounds $(ROUNDS) -- -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # trains examples/digits.py on 2 CPU workers over the embedded broker and prints the result
 demo: install

@@ -35,7 +35,7 @@ def ddpbus_run(spec: str, *args: str, workers: int = 2, env: dict[str, str] | No
     with tempfile.TemporaryDirectory(prefix="ddpbus-bench-") as tmp:
         out = Path(tmp) / "run"
         target = spec if Path(spec).is_absolute() else SPECS / spec
-        cmd = [sys.executable, "-m", "ddpbus.orchestrator.cli", "--log-level", "WARNING",
+        cmd = [sys.executable, "-m", "ddpbus.orchestrator.tools.cli", "--log-level", "WARNING",
                "run", f"{target}.py:spec", "--workers", str(workers), "--out", str(out),
                "--no-progress", *args]
         environ = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}

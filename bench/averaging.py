@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _results import record
 from _runs import median, write_json
 
 WORLD = 2
@@ -46,7 +47,7 @@ async def rank_main(rank: int, url: str, job: str, numel: int, rounds: int,
     import torch.distributed as dist
 
     from ddpbus.codecs import subjects as sj
-    from ddpbus.orchestrator import bus, reducer
+    from ddpbus.orchestrator.transport import bus
     from ddpbus.worker_agent import averaging
 
     torch.manual_seed(rank)
@@ -65,7 +66,7 @@ async def rank_main(rank: int, url: str, job: str, numel: int, rounds: int,
     dist.destroy_process_group()
 
     nc = await bus.connect(url, name=f"bench-rank-{rank}")
-    store = await reducer.rounds_store(nc.jetstream(), job)
+    store = await bus.rounds_store(nc.jetstream(), job)
     chunk = bus.object_chunk(nc.max_payload)
     snaps: dict[int, averaging.Snapshot] = {}
 
@@ -106,7 +107,7 @@ async def rank_main(rank: int, url: str, job: str, numel: int, rounds: int,
 
 async def broker_round(nc: Any, red: Any, job: str, version: int, bf16: bool
                        ) -> tuple[float, int]:
-    from ddpbus.orchestrator.state import Contribution, Reduce
+    from ddpbus.orchestrator.core.state import Contribution, Reduce
 
     t0 = time.perf_counter()
     replies = await asyncio.gather(*(nc.request(f"bench.{job}.go.{r}", json.dumps(
@@ -132,12 +133,12 @@ async def transports(url: str, numel: int, rounds: int) -> dict[str, Any]:
     import numpy as np
 
     from ddpbus.codecs.tensor import TensorAssembler, decode_frame, encode_frames
-    from ddpbus.orchestrator import bus, reducer
+    from ddpbus.orchestrator.transport import bus
 
     job = f"tr{numel}"
     pub = await bus.connect(url, name="bench-pub")
     sub_nc = await bus.connect(url, name="bench-sub")
-    store = await reducer.rounds_store(pub.jetstream(), job)
+    store = await bus.rounds_store(pub.jetstream(), job)
     data = np.random.default_rng(0).standard_normal(numel).astype(np.float32)
     blob = data.tobytes()
     chunk = bus.object_chunk(pub.max_payload)
@@ -197,7 +198,8 @@ async def transports(url: str, numel: int, rounds: int) -> dict[str, Any]:
 
 
 async def measure(url: str, numel: int, rounds: int) -> dict[str, Any]:
-    from ddpbus.orchestrator import bus, reducer
+    from ddpbus.orchestrator.runtime import broker_reducer
+    from ddpbus.orchestrator.transport import bus
 
     job = f"avg{numel}"
     nc = await bus.connect(url, name="bench-main")
@@ -217,7 +219,7 @@ async def measure(url: str, numel: int, rounds: int) -> dict[str, Any]:
         try:
             for _ in range(WORLD):
                 await asyncio.wait_for(up.get(), 900)
-            red = reducer.Reducer(nc.jetstream(), job, nc.max_payload)
+            red = broker_reducer.Reducer(nc.jetstream(), job, nc.max_payload)
             out: dict[str, Any] = {}
             for bf16 in (False, True):
                 times, wire = [], 0
@@ -256,7 +258,7 @@ def main() -> None:
         asyncio.run(rank_main(args.rank, args.url, args.job, args.numel, args.rounds,
                               args.store))
         return
-    from ddpbus.orchestrator.broker import EmbeddedBroker
+    from ddpbus.orchestrator.runtime.nats_server import EmbeddedBroker
 
     sizes = [0.1] if args.quick else [float(x) for x in args.sizes.split(",")]
     rounds = 2 if args.quick else args.rounds
@@ -285,9 +287,12 @@ def main() -> None:
         print(f"{r['params'] / 1e6:>7.1f}M {t['bytes'] / 2**20:>7.1f} {t['object_put']:>8.3f} "
               f"{t['object_get']:>8.3f} {both:>8.3f} {frames} {ratio} "
               f"{t['frames_lost']:>2}/{t['frame_rounds']}")
-    path = write_json("averaging", {"world": WORLD, "rounds": rounds, "results": results},
-                      args.json)
+    doc = {"world": WORLD, "rounds": rounds, "results": results}
+    path = write_json("averaging", doc, args.json)
     print(f"wrote {path}")
+    record("averaging-quick" if args.quick else "averaging", doc,
+           {f"{r['params'] / 1e6:g}M {k} s_per_round": r[k]["s_per_round"]
+            for r in results for k in ("gloo", "f32", "bf16")}, args.json)
 
 
 if __name__ == "__main__":

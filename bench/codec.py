@@ -12,8 +12,8 @@ Every case is one encode *and* one decode, checked once for a faithful round tri
 
 The host is shared and noisy: a group's cases run interleaved, round after round; the
 table shows medians over the rounds, and each ratio is the median of the per-round ratios
-to the baseline of the same round. The issue's targets print as PASS/FAIL; the exit status
-is 0 either way (the bench is informational).
+to the baseline of the same round. The two targets (docs/performance.md) print as PASS/FAIL;
+the exit status is 0 either way (the bench is informational).
 
 Run from the repository root: ``python bench/codec.py`` (writes bench/results/codec.json;
 ``--json PATH`` elsewhere); ``--quick`` is a smoke run (3 rounds, 8 MiB tensor, 1 MiB chunks).
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
+from _results import record
 from google.protobuf import json_format
 from google.protobuf.internal import api_implementation
 
@@ -179,8 +180,9 @@ def run_group(group: str, cases: list[Case], faithful: Callable[[object], bool],
 
 
 def targets(rows: list[Row]) -> list[Row]:
-    """The issue's two targets, each followed by its envelope counterpart for reference
-    (``is_target`` False: the envelope adds headers and HMAC, the targets do not cover it)."""
+    """The two targets (docs/performance.md), each followed by its envelope counterpart for
+    reference (``is_target`` False: the envelope adds headers and HMAC, the targets do not
+    cover it)."""
     by = {(r["group"], r["case"]): r for r in rows}
     checks = (("TimingMsg.Batch", "payload codec protobuf", "median", BATCH_TARGET_OPS, True),
               ("TimingMsg.Batch", "envelope protobuf (HMAC)", "median", BATCH_TARGET_OPS, False),
@@ -243,6 +245,9 @@ def main() -> None:
               "results": rows, "targets": checks}
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwall time {elapsed:.1f} s; JSON written to {args.json}")
+    record("codec-quick" if args.quick else "codec", report,
+           {f"{r['group']} {r['case']} {r['unit']}": r["median"] for r in rows}
+           | {f"{c['name']} (target {c['target']:g})": c["value"] for c in checks}, args.json)
 
 
 if __name__ == "__main__":

@@ -24,12 +24,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _results import record
 from _runs import ddpbus_run, median, write_json
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
-from ddpbus.orchestrator.bus import connect
+from ddpbus.orchestrator.runtime.nats_server import BrokerConfig, EmbeddedBroker
+from ddpbus.orchestrator.transport.bus import connect
 
 TARGET = 2.0
 RESPONDER = """
@@ -141,6 +142,11 @@ def main() -> None:
         f"vs RTT under the same load {doc['ratio_vs_loaded_rtt']:.2f}x   target <= {TARGET}x: "
         f"{'PASS' if doc['ratio_vs_loaded_rtt'] <= TARGET else 'FAIL'}\n"
         f"wrote {path}\n")
+    record("control_latency", doc, {
+        "syncnow_to_all_acks_p50_ms": ours, "syncnow_to_all_acks_p99_ms": p99,
+        "decision_to_all_acks_p50_ms": doc["decision_to_all_acks_ms"]["p50"],
+        "rtt_idle_p50_ms": rtt_idle, "rtt_during_runs_p50_ms": rtt_loaded,
+        "ratio_vs_loaded_rtt": doc["ratio_vs_loaded_rtt"]}, args.json)
 
 
 if __name__ == "__main__":

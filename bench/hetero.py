@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from _results import record
 from _runs import ROOT, Run, ddpbus_run, median, write_json
 
 SPEED_TARGET, ROUNDS_TARGET, GOAL = 1.7, 10.0, 0.95
@@ -61,6 +62,10 @@ def main() -> None:
         f"{doc['rounds_ratio']:.1f}x less often (target >= {ROUNDS_TARGET}: "
         f"{'PASS' if doc['rounds_ratio'] >= ROUNDS_TARGET else 'FAIL'})\n"
         f"wrote {write_json('hetero', doc, args.json)}\n")
+    record("hetero", doc, {"cadence time_to_95_s": t["cadence"], "sync time_to_95_s": t["sync"],
+                           "speedup": doc["speedup"], "cadence rounds": n["cadence"],
+                           "sync rounds": n["sync"], "rounds_ratio": doc["rounds_ratio"]},
+           args.json)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from _results import record
 from _runs import ddpbus_run, median, write_json
 
 HERE = Path(__file__).resolve().parent
@@ -94,6 +95,9 @@ def main() -> None:
                          f"{'PASS' if ratio >= TARGET else 'FAIL'}  (every report alone: "
                          f"{alone:.3f})\n")
     sys.stdout.write(f"wrote {write_json('overhead', doc, args.json)}\n")
+    record("overhead-quick" if args.quick else "overhead", doc,
+           {f"{name} {k}": w[k] for name, w in doc["workloads"].items()
+            for k in ("median_ratio", "reports_alone_median_ratio")}, args.json)
 
 
 if __name__ == "__main__":

@@ -36,12 +36,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _results import record
 from _runs import ROOT, median, write_json
 
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 from jobs import Job, spec, start_job  # the tests' real-process job runner
 
-from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
+from ddpbus.orchestrator.runtime.nats_server import BrokerConfig, EmbeddedBroker
 
 HEARTBEAT_S, EPOCHS, KILL_AFTER = 2.0, 48, 4
 TARGETS = {"kill_to_training_s": HEARTBEAT_S + 2.0, "restart_to_average_s": 10.0,
@@ -190,6 +191,8 @@ def main() -> None:
         out.write(f"  train time lost, {name:16s} {s:+7.2f} s  "
                   f"({s / calm:+.0%} of the undisturbed run)\n")
     out.write(f"wrote {write_json('recovery', doc, args.json)}\n")
+    record("recovery", doc, {**measured, "undisturbed_train_s": calm,
+                             **{f"train_s_lost_{k}": v for k, v in lost.items()}}, args.json)
 
 
 if __name__ == "__main__":

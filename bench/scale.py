@@ -54,13 +54,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _results import record
 from _runs import ROOT, SPECS, write_json
 
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
-from ddpbus.orchestrator.bus import connect
+from ddpbus.orchestrator.runtime.nats_server import BrokerConfig, EmbeddedBroker
+from ddpbus.orchestrator.transport.bus import connect
 
-CLI = [sys.executable, "-m", "ddpbus.orchestrator.cli", "--log-level", "INFO"]
+CLI = [sys.executable, "-m", "ddpbus.orchestrator.tools.cli", "--log-level", "INFO"]
 KEY = b"scale-bench-job-key-0123456789ab"
 BATCH = 8  # bench/specs/simulated.py's batch size
 EPOCHS = 2
@@ -274,6 +275,23 @@ def _fmt(x: Any) -> str:
     return "-" if x is None else f"{x:.1f}" if isinstance(x, float) else str(x)
 
 
+def _figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The history line's figures: per rank count, what the README's table reports."""
+    out: dict[str, Any] = {}
+    for r in rows:
+        n = r["ranks"]
+        out |= {f"{n} messages_per_s": r["messages_per_s"],
+                f"{n} training_decision_p50_ms": r["training_decision_ms"].get("p50"),
+                f"{n} training_decision_p99_ms": r["training_decision_ms"].get("p99"),
+                f"{n} coordinator_cpu_pct": r["coordinator_cpu_pct"],
+                f"{n} coordinator_rss_mb": r["coordinator_rss_mb"],
+                f"{n} reduce_p50_ms": r["reduce_ms"].get("p50"), f"{n} replay_s": r["replay_s"]}
+        if r["deaths"] is not None:
+            out |= {f"{n} deaths_membership_changes": r["deaths"]["membership_changes"],
+                    f"{n} deaths_resumed_s": r["deaths"]["resumed_s"]}
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 256, 1024])
@@ -328,10 +346,11 @@ def main() -> int:
             print(" | ".join(_fmt(c) for c in (r["ranks"], d["dead"], d["membership_changes"],
                                                d["rebuilds"], d["resumed_s"], d["ok"],
                                                d["coverage_exact"])))
-    path = write_json("scale", {"rate": args.rate, "seconds": args.seconds,
-                                "coordinator_core": args.coordinator_core,
-                                "deaths": args.deaths, "rows": rows}, args.json)
+    doc = {"rate": args.rate, "seconds": args.seconds,
+           "coordinator_core": args.coordinator_core, "deaths": args.deaths, "rows": rows}
+    path = write_json("scale", doc, args.json)
     print(f"JSON: {path}")
+    record("scale", doc, _figures(rows), args.json)
     return 0 if all(r["ok"] and r["replay_ok"] in (None, True)
                     and (r["deaths"] is None or r["deaths"]["ok"]) for r in rows) else 1
 

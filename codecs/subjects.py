@@ -153,6 +153,13 @@ def check_job(job: str) -> str:
     return job
 
 
+def job_wildcard(job: str, *tokens: str) -> str:
+    """Every subject of ``job`` (``ddpbus.<job>.>``), or every one under ``tokens``
+    (``job_wildcard(job, "live")`` is ``ddpbus.<job>.live.>``): the one place a job's
+    wildcards are spelled, for subscriptions and permissions alike."""
+    return ".".join((PREFIX, check_job(job), *tokens, ">"))
+
+
 def stream_name(job: str) -> str:
     return f"DDPBUS_{check_job(job)}"
 

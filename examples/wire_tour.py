@@ -17,9 +17,9 @@ import sys
 from ddpbus.codecs import DecodeError, Decoder, Encoder
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator.broker import EmbeddedBroker
-from ddpbus.orchestrator.bus import connect, publish
-from ddpbus.orchestrator.provision import ensure_job
+from ddpbus.orchestrator.runtime.nats_server import EmbeddedBroker
+from ddpbus.orchestrator.runtime.provision import ensure_job
+from ddpbus.orchestrator.transport.bus import connect, publish
 
 JOB = "wire-tour"
 

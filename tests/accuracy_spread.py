@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE / "integration"))
 
 from jobs import spec, start_job  # noqa: E402
 
-from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker  # noqa: E402
+from ddpbus.orchestrator.runtime.nats_server import BrokerConfig, EmbeddedBroker  # noqa: E402
 
 RESULTS = HERE.parent / "bench" / "results"
 # (name, coordinator args, epochs, rank-1 slowdown): the test_training.py variants

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 
-from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
-from ddpbus.orchestrator.bus import connect
+from ddpbus.orchestrator.runtime.nats_server import BrokerConfig, EmbeddedBroker
+from ddpbus.orchestrator.transport.bus import connect
 
 JOB_KEY = b"test-job-key-0123456789abcdef!!"
 

@@ -4,11 +4,14 @@ with one core kept busy, and say which tests failed in which round.
 A test that fails in any round and passes in another is a flake: a bug in the test or in
 the code, to be found and fixed at its cause (never with a retry or a wider bound).
 
-    python tests/flake_hunt.py --rounds 5                  # what `make flake-hunt` runs
+    python tests/flake_hunt.py --rounds 5 -- -n 2          # what `make flake-hunt` runs
     python tests/flake_hunt.py --rounds 2 --no-hog -- -k publisher
+    python tests/flake_hunt.py --rounds 5 --full -- -n 2   # the full chaos loops too
 
 Each round runs pytest once over ``--paths`` (every test there, the slow ones included,
-with the full chaos loops and a fresh chaos seed per scenario: DDPTEST_CHAOS_SEED=random),
+with a fresh chaos seed per scenario: DDPTEST_CHAOS_SEED=random; ``--full`` adds the full
+chaos loops), on the pytest workers the arguments after ``--`` ask for: with ``-n 2`` on a
+two-core machine the hog makes three busy processes for two cores, harsher than CI),
 writing a JUnit XML per round. The hog is ``python -c 'while 1: pass'`` started here and
 killed by its pid at the end, whatever happens. The outcome of every round, the failures
 with their first message line, and the wall times go to
@@ -69,9 +72,12 @@ def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
     return out
 
 
-def run_round(i: int, paths: list[str], extra: list[str], work: Path) -> dict[str, Any]:
+def run_round(i: int, paths: list[str], extra: list[str], work: Path, *, full: bool
+              ) -> dict[str, Any]:
     junit = work / f"round-{i}.xml"
-    env = {**os.environ, "DDPTEST_CHAOS_FULL": "1", "DDPTEST_CHAOS_SEED": "random"}
+    env = {**os.environ, "DDPTEST_CHAOS_SEED": "random"}
+    if full:
+        env["DDPTEST_CHAOS_FULL"] = "1"
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            f"--junitxml={junit}", *paths, *extra], cwd=ROOT, env=env,
@@ -99,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="leave both cores free")
     parser.add_argument("--paths", nargs="+", default=["tests/integration", "tests/chaos"],
                         help="what each round runs (default: integration and chaos)")
+    parser.add_argument("--full", action="store_true", help="the full chaos loops too "
+                        "(DDPTEST_CHAOS_FULL=1: 20 worker kills, 10 coordinator kills...)")
     parser.add_argument("--out", type=Path, default=None,
                         help="the JSON report (default bench/results/flake-hunt-<time>.json)")
     args, extra = parser.parse_known_args(argv)
@@ -112,14 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     with cpu_hog(args.hog) as hog:
         print(f"flake hunt: {args.rounds} rounds of {' '.join(args.paths)}"
               + (f", CPU hog pid {hog}" if hog else ", no hog"), flush=True)
-        rounds = [run_round(i, args.paths, extra, work) for i in range(1, args.rounds + 1)]
+        rounds = [run_round(i, args.paths, extra, work, full=args.full)
+                  for i in range(1, args.rounds + 1)]
     flaky = sorted({t for r in rounds for t in r["failed_tests"]})
     report = {
         "when": stamp, "commit": subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
             text=True, check=False).stdout.strip(),
         "machine": {"cores": os.cpu_count(), "python": platform.python_version()},
-        "hog": args.hog, "paths": args.paths, "pytest_args": extra, "rounds": rounds,
+        "hog": args.hog, "full_chaos": args.full, "paths": args.paths, "pytest_args": extra, "rounds": rounds,
         "failed_in_any_round": {t: [r["round"] for r in rounds if t in r["failed_tests"]]
                                 for t in flaky},
     }

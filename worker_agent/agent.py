@@ -39,9 +39,10 @@ from ddpbus.codecs import DecodeError, Decoder, Encoder
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import ConfigError, DdpbusError
-from ddpbus.orchestrator import bundles, bus, reducer
-from ddpbus.orchestrator.auth import Access
-from ddpbus.orchestrator.tasks import Watch
+from ddpbus.orchestrator.persist import bundles
+from ddpbus.orchestrator.runtime.tasks import Watch
+from ddpbus.orchestrator.transport import bus
+from ddpbus.orchestrator.transport.auth import Access
 from ddpbus.worker_agent import checkpoint
 from ddpbus.worker_agent.callbacks import Outcome
 from ddpbus.worker_agent.rendezvous import NatsKVStore
@@ -197,7 +198,7 @@ class WorkerAgent:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        """One of the agent's tasks under watch (:mod:`ddpbus.orchestrator.tasks`): one that
+        """One of the agent's tasks under watch (:mod:`ddpbus.orchestrator.runtime.tasks`): one that
         dies of an unexpected exception ends the rank, rather than leave it beaconing while
         nobody reads its control messages or publishes its reports (the coordinator would
         never time it out, and its share of the work would wait forever)."""
@@ -395,7 +396,7 @@ class WorkerAgent:
 
     async def _rounds_store(self) -> ObjectStore:
         if self._rounds is None:
-            self._rounds = await reducer.rounds_store(self.js, self.settings.job)
+            self._rounds = await bus.rounds_store(self.js, self.settings.job)
         return self._rounds
 
     async def _fetch_consensus(self, update: m.Update) -> Consensus:

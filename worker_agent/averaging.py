@@ -195,7 +195,8 @@ def broadcast_from_root(flat: FlatModel, group: dist.ProcessGroup | None = None)
 # trains on; the reducer sums exactly the accepted contributions and divides once; on
 # Update the rank moves by ``alpha * (consensus - snapshot)``: alpha 1 lands on the
 # consensus plus the steps it trained while the round was in flight (none under sync),
-# alpha < 1 is the EASGD blend. Tensor names are shared with ddpbus.orchestrator.reducer.
+# alpha < 1 is the EASGD blend. Tensor names are shared with
+# ddpbus.orchestrator.runtime.broker_reducer.
 
 @dataclass(slots=True)
 class Snapshot:

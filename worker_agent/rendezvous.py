@@ -32,8 +32,8 @@ from torch._C._distributed_c10d import Store  # = torch.distributed.Store, typed
 
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
-from ddpbus.orchestrator.auth import Access, access
-from ddpbus.orchestrator.bus import TRANSIENT_ERRORS
+from ddpbus.orchestrator.transport.auth import Access, access
+from ddpbus.orchestrator.transport.bus import TRANSIENT_ERRORS
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddpbus.codecs import messages as m
 from ddpbus.codecs.errors import ConfigError
-from ddpbus.orchestrator.config import Schedule, schedule_from
+from ddpbus.orchestrator.core.config import Schedule, schedule_from
 
 if TYPE_CHECKING:
     import torch
@@ -56,7 +56,7 @@ class TrainSpec:
     - ``epoch_fn(epoch, ctx)``: run on the elected rank when it starts an epoch;
     - ``policy``: ``sync`` | ``cadence`` | ``async``; ``backend``: ``auto`` | ``nccl`` |
       ``gloo`` | ``broker``; ``knobs``: scheduler settings (see
-      ``ddpbus.orchestrator.config.KNOBS``).
+      ``ddpbus.orchestrator.core.config.KNOBS``).
     """
 
     model: Callable[[], torch.nn.Module]

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store  # typed re-exports of dist.*
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator.reports import ReportBuffer
+from ddpbus.orchestrator.core.coalesce import ReportBuffer
 from ddpbus.worker_agent import averaging, callbacks, checkpoint
 from ddpbus.worker_agent.callbacks import Outcome
 from ddpbus.worker_agent.data import BatchFetcher, plan_indices
@@ -50,7 +50,7 @@ from ddpbus.worker_agent.spec import (
 )
 
 if TYPE_CHECKING:
-    from ddpbus.orchestrator.bundles import Manifest
+    from ddpbus.orchestrator.persist.bundles import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ class Trainer(threading.Thread):
                                               self.active_run().report_interval_ms)
 
     def _report(self, items: list[m.Batch | m.LrUpdate], now: float, *, closing: bool) -> None:
-        """Per-batch reports, coalesced (:mod:`ddpbus.orchestrator.reports`)."""
+        """Per-batch reports, coalesced (:mod:`ddpbus.orchestrator.core.coalesce`)."""
         if self._reports.add(items, now, self.active_run().report_interval_ms, closing=closing):
             self.flush_reports(durable=closing)
         else:
@@ -338,7 +338,7 @@ class Trainer(threading.Thread):
 
     def _next_input(self) -> m.ControlMsg | Halt | Consensus:
         """The next input, waited for; the metrics held since the window closed go out
-        meanwhile once their time comes (:mod:`ddpbus.orchestrator.reports`)."""
+        meanwhile once their time comes (:mod:`ddpbus.orchestrator.core.coalesce`)."""
         while (due := self._reports.due) is not None:
             try:
                 return self.inbox.get(timeout=max(0.0, due - time.perf_counter()))

@@ -25,9 +25,9 @@ from faults import FAULTS, loops, scenario_rng
 from jobs import Job, freeze, spec, start_job, wait_for
 from safetensors.torch import load_file
 
-from ddpbus.orchestrator import bundles
-from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
-from ddpbus.orchestrator.bus import connect
+from ddpbus.orchestrator.persist import bundles
+from ddpbus.orchestrator.runtime.nats_server import BrokerConfig, EmbeddedBroker
+from ddpbus.orchestrator.transport.bus import connect
 from ddpbus.worker_agent.data import epoch_permutation
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]

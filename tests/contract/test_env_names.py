@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ddpbus.orchestrator import cli
+from ddpbus.orchestrator.tools import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 # a name read from the environment, or assigned in a shell line / Makefile recipe

@@ -35,7 +35,7 @@ def test_wheel_contains_every_subpackage(tmp_path: Path) -> None:
                    + ".dist-info"}
     assert not any(n.startswith("ddpbus/__init__") for n in names), "ddpbus is a namespace"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "ddpbus = ddpbus.orchestrator.cli:main" in zipfile.ZipFile(wheel).read(
+    assert "ddpbus = ddpbus.orchestrator.tools.cli:main" in zipfile.ZipFile(wheel).read(
         entry_points).decode()
 
 

@@ -45,7 +45,8 @@ with atheris.instrument_imports(include=["ddpbus"]):  # every ddpbus module load
 
     from ddpbus.codecs import tensor
     from ddpbus.codecs.errors import DecodeError
-    from ddpbus.orchestrator import lease, reducer, snapshot
+    from ddpbus.orchestrator.persist import lease, snapshot
+    from ddpbus.orchestrator.runtime import broker_reducer
 
 Target = tuple[list[bytes], Callable[[bytes], str]]
 _DECODER = fc.decoder()
@@ -73,12 +74,12 @@ def _blob(data: bytes) -> str:
         outcome = exc.reason
     else:
         outcome = "accepted"
-    acc = reducer.Accumulator()
-    c = reducer.Contribution(rank=0, mass=1.0, step=1, digest="d", nbytes=len(data))
+    acc = broker_reducer.Accumulator()
+    c = broker_reducer.Contribution(rank=0, mass=1.0, step=1, digest="d", nbytes=len(data))
     try:
         acc.add(c, data)
         acc.consensus(version=1, bf16=False)
-    except reducer.ReduceError:
+    except broker_reducer.ReduceError:
         return f"{outcome}/reduce-error"
     return f"{outcome}/reduced"
 

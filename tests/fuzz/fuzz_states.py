@@ -22,10 +22,9 @@ from core_harness import Core, hello
 
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator import bundles, resume
-from ddpbus.orchestrator.config import schedule_from
-from ddpbus.orchestrator.core import initial_state, transition
-from ddpbus.orchestrator.state import (
+from ddpbus.orchestrator.core import bundle_meta
+from ddpbus.orchestrator.core.config import schedule_from
+from ddpbus.orchestrator.core.state import (
     Admit,
     CoreConfig,
     Joined,
@@ -35,7 +34,9 @@ from ddpbus.orchestrator.state import (
     Tick,
     Timing,
 )
-from ddpbus.orchestrator.summary import summarize
+from ddpbus.orchestrator.core.summary import summarize
+from ddpbus.orchestrator.core.transition import initial_state, transition
+from ddpbus.orchestrator.persist import bundles
 
 WORLD: Final = 4  # fuzz_corpus.WORLD
 SPEEDS: Final = (2.0, 3.0, 4.0, 5.0)
@@ -130,7 +131,7 @@ STAGES: Final = ("manifest", "fits", "meta")  # where a BundleError may come fro
 
 def manifest(state: State) -> bytes:
     """The manifest of a bundle taken at the end of epoch 0 of ``state``'s run."""
-    meta = resume.meta(state, epoch=0)
+    meta = bundle_meta.meta(state, epoch=0)
     parts = {p: {"name": f"v1/{p}.safetensors", "size": 10, "sha256": "0" * 64}
              for p in bundles.PARTS}
     return bundles.Manifest(job="earlier", version=1, parts=parts, meta=meta,
@@ -156,7 +157,7 @@ def _run_resumed(config: CoreConfig) -> None:
             encoder.encode(subject, c.msg)
         elif isinstance(c, Admit):
             encoder.encode(sj.ADMIT_RANK.subject(fc.JOB, c.msg.rank), c.msg)
-    resume.meta_json(core, core.epoch)
+    bundle_meta.meta_json(core, core.epoch)
     summarize(core)
 
 
@@ -172,7 +173,7 @@ def resume_from(raw: bytes, state: State) -> str:
         bundles.check_fits(manifest, seed=sched.seed, batch_size=sched.batch_size,
                            epochs=sched.epochs)
         stage = "meta"
-        point = resume.point(manifest.describe(), manifest.version, manifest.meta)
+        point = bundle_meta.point(manifest.describe(), manifest.version, manifest.meta)
         stage = "core"
         _run_resumed(dataclasses.replace(state.config, resume=point))
     except bundles.BundleError as exc:

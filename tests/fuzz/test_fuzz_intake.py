@@ -38,9 +38,9 @@ from hypothesis import strategies as st
 from ddpbus.codecs import Decoder, Encoder, Outbound, convert
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator import snapshot
-from ddpbus.orchestrator.service import Coordinator, CoordinatorSettings
-from ddpbus.orchestrator.state import Command, Reduce, Reduced, Refuse, State, Tick
+from ddpbus.orchestrator.core.state import Command, Reduce, Reduced, Refuse, State, Tick
+from ddpbus.orchestrator.persist import snapshot
+from ddpbus.orchestrator.runtime.coordinator import Coordinator, CoordinatorSettings
 
 B = fc.BUDGET
 SIG = b"\x11" * m.MODEL_SIGNATURE_BYTES  # the simulated ranks' model signature
@@ -229,7 +229,7 @@ async def _feed(intake: Intake, rng: random.Random, mutator: Mutator, count: int
 @pytest.fixture
 def quiet_service(caplog: pytest.LogCaptureFixture) -> None:
     # every core refusal is a warning line: keep the captured log small over 100k messages
-    caplog.set_level(logging.ERROR, logger="ddpbus.orchestrator.service")
+    caplog.set_level(logging.ERROR, logger="ddpbus.orchestrator.runtime.coordinator")
 
 
 @pytest.mark.usefixtures("quiet_service")
@@ -309,7 +309,7 @@ def test_a_refusal_is_warned_once_per_reason_and_every_one_counted(
     intake = Intake(fuzz_states.fresh("done"), now=1000.0)
     before = Counter(intake.state.refusals)
     rng = random.Random("refusals")
-    with caplog.at_level(logging.DEBUG, logger="ddpbus.orchestrator.service"):
+    with caplog.at_level(logging.DEBUG, logger="ddpbus.orchestrator.runtime.coordinator"):
         for _ in range(30):
             asyncio.run(intake.deliver(realistic(rng, intake.state)))
     made = Counter(intake.state.refusals) - before

@@ -29,11 +29,11 @@ from hypothesis import strategies as st
 
 from ddpbus.codecs import tensor
 from ddpbus.codecs.errors import DecodeError
-from ddpbus.orchestrator import lease, snapshot
-from ddpbus.orchestrator.reducer import Accumulator, ReduceError
-from ddpbus.orchestrator.state import (
+from ddpbus.orchestrator.core.state import (
     Contribution,
 )
+from ddpbus.orchestrator.persist import lease, snapshot
+from ddpbus.orchestrator.runtime.broker_reducer import Accumulator, ReduceError
 
 B = fc.BUDGET
 SEEDS = st.integers(0, 2**64 - 1)

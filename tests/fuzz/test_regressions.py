@@ -28,10 +28,11 @@ from ddpbus.codecs import tensor
 from ddpbus.codecs._pb import ddpbus_pb2 as pb
 from ddpbus.codecs.envelope import Envelope
 from ddpbus.codecs.errors import InvalidField
-from ddpbus.orchestrator import bundles, lease, resume, snapshot
-from ddpbus.orchestrator.core import transition
-from ddpbus.orchestrator.reducer import Accumulator, ReduceError
-from ddpbus.orchestrator.state import Contribution, Joined, Metrics, Refuse, Timing
+from ddpbus.orchestrator.core import bundle_meta
+from ddpbus.orchestrator.core.state import Contribution, Joined, Metrics, Refuse, Timing
+from ddpbus.orchestrator.core.transition import transition
+from ddpbus.orchestrator.persist import bundles, lease, snapshot
+from ddpbus.orchestrator.runtime.broker_reducer import Accumulator, ReduceError
 
 # ------------------------------------------------------------------- tensor frames
 
@@ -166,8 +167,8 @@ def test_a_manifest_nested_too_deep_is_a_bundle_error() -> None:
 
 def test_the_meta_a_run_writes_still_resumes(finishing: Any) -> None:
     assert fuzz_states.resume_from(fuzz_states.manifest(finishing), finishing) == "accepted"
-    meta = copy.deepcopy(resume.meta(finishing, epoch=0))
-    point = resume.point("here", 1, meta)
+    meta = copy.deepcopy(bundle_meta.meta(finishing, epoch=0))
+    point = bundle_meta.point("here", 1, meta)
     assert point.elche["smoothed_ms"] == meta["elche"]["smoothed_ms"]
     assert point.coverage[0]["trained"] == meta["coverage"][0]["trained"]
 

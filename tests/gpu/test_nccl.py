@@ -14,7 +14,7 @@ import torch
 from jobs import spec, start_job
 from safetensors.torch import load_file
 
-from ddpbus.orchestrator.broker import EmbeddedBroker
+from ddpbus.orchestrator.runtime.nats_server import EmbeddedBroker
 from ddpbus.worker_agent.data import epoch_permutation
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300),

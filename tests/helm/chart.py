@@ -48,7 +48,7 @@ PERMISSIONS = CHART / "files" / "permissions.json"
 
 def permissions_json() -> str:
     """What ``files/permissions.json`` must hold: :func:`auth.chart_permissions` as JSON."""
-    from ddpbus.orchestrator.auth import chart_permissions
+    from ddpbus.orchestrator.transport.auth import chart_permissions
 
     return json.dumps(chart_permissions(), indent=1) + "\n"
 

@@ -1,4 +1,4 @@
-"""The chart's NATS logins and TLS: the permissions come from ddpbus.orchestrator.auth (no
+"""The chart's NATS logins and TLS: the permissions come from ddpbus.orchestrator.transport.auth (no
 second copy to drift), every pod mounts only its own identity's login, TLS reaches both
 ends."""
 
@@ -14,7 +14,7 @@ import pytest
 from chart import PERMISSIONS, by_kind, container, env, permissions_json, render, worker_sets
 from test_chart import VALUE_SETS
 
-from ddpbus.orchestrator import auth
+from ddpbus.orchestrator.transport import auth
 
 MOUNT = "/etc/ddpbus/nats"  # where a client's login and TLS files are mounted
 

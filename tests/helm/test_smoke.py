@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 from chart import by_kind, render, worker_sets
 
-from ddpbus.orchestrator import auth
-from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
+from ddpbus.orchestrator.runtime.nats_server import BrokerConfig, EmbeddedBroker
+from ddpbus.orchestrator.transport import auth
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parent / "specs"))
 import parity
 
-from ddpbus.orchestrator.pools import equal_split
+from ddpbus.orchestrator.core.pools import equal_split
 from ddpbus.worker_agent.data import epoch_permutation
 
 

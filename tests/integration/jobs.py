@@ -20,11 +20,11 @@ from typing import Any
 from ddpbus.codecs import Decoder
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator.bus import Publisher, connect
+from ddpbus.orchestrator.transport.bus import Publisher, connect
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = Path(__file__).resolve().parent / "specs"
-CLI = [sys.executable, "-m", "ddpbus.orchestrator.cli"]
+CLI = [sys.executable, "-m", "ddpbus.orchestrator.tools.cli"]
 KEY = b"integration-test-job-key-0123456789"
 
 
@@ -256,7 +256,7 @@ def held_metrics(messages: list[tuple[str, m.Message]], rank: int) -> tuple[int,
     window's budget (the window's closing batch, as the worker judges it: its step count
     at the SyncAck that opened the window plus that window's ``step_budget``) comes after
     the SyncAck that closes the window, not with the closing batch
-    (orchestrator/reports.py). A plan that ended short of the budget sends its metrics at
+    (orchestrator/core/coalesce.py). A plan that ended short of the budget sends its metrics at
     once, even when the average then came before the rank trained on (it waited, say, at
     an epoch boundary). Returns (such plans, plans in all)."""
     budget: int | None = None  # of the window the latest SetGlobalStep opened

@@ -23,9 +23,10 @@ from jobs import delete_job
 from nats.aio.client import Client
 
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator import auth, teardown
-from ddpbus.orchestrator.bus import BusUnavailable
-from ddpbus.orchestrator.provision import ensure_job
+from ddpbus.orchestrator.runtime.provision import ensure_job
+from ddpbus.orchestrator.tools import delete_job as teardown
+from ddpbus.orchestrator.transport import auth
+from ddpbus.orchestrator.transport.bus import BusUnavailable
 
 pytestmark = pytest.mark.timeout(120)
 JOB = "locked"
@@ -39,7 +40,7 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pat
     """`ddpbus broker --auth DIR --job locked --world-size 2`, as an operator runs it."""
     creds = tmp_path_factory.mktemp("auth") / "creds"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ddpbus.orchestrator.cli", "broker", "--auth", str(creds),
+        [sys.executable, "-m", "ddpbus.orchestrator.tools.cli", "broker", "--auth", str(creds),
          "--job", JOB, "--world-size", "2"], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     url = proc.stdout.readline().strip()  # printed once the server accepts connections
@@ -286,7 +287,7 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
 
 
 def test_tls_admits_the_client_that_trusts_the_ca(tmp_path: Path) -> None:
-    from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
+    from ddpbus.orchestrator.runtime.nats_server import BrokerConfig, EmbeddedBroker
 
     cert, key = _self_signed(tmp_path)
     with EmbeddedBroker(BrokerConfig(tls_cert=cert, tls_key=key)) as broker:

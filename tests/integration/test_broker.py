@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from jobs import PublisherHooks, children, running, wait_for
 
-from ddpbus.orchestrator.broker import BrokerConfig, BrokerError, EmbeddedBroker
-from ddpbus.orchestrator.bus import BusUnavailable, connect
+from ddpbus.orchestrator.runtime.nats_server import BrokerConfig, BrokerError, EmbeddedBroker
+from ddpbus.orchestrator.transport.bus import BusUnavailable, connect
 
-CLI = [sys.executable, "-m", "ddpbus.orchestrator.cli"]
+CLI = [sys.executable, "-m", "ddpbus.orchestrator.tools.cli"]
 
 
 def test_port_zero_picks_a_free_port_and_reads_it_back(tmp_path: Path) -> None:
@@ -150,7 +150,7 @@ async def test_publishing_through_a_broker_restart_loses_and_reorders_nothing(
     back on the same port and store: every message is stored exactly once, in order."""
     from ddpbus.codecs import Decoder, Encoder
     from ddpbus.codecs import messages as m
-    from ddpbus.orchestrator.bus import Publisher
+    from ddpbus.orchestrator.transport.bus import Publisher
 
     store, key, n = tmp_path / "store", b"k" * 32, 3000
     first = EmbeddedBroker(BrokerConfig(store_dir=store))

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 
-from ddpbus.orchestrator import bundles
-from ddpbus.orchestrator.provision import ensure_job
+from ddpbus.orchestrator.persist import bundles
+from ddpbus.orchestrator.runtime.provision import ensure_job
 
 pytestmark = pytest.mark.asyncio
 

@@ -14,8 +14,8 @@ from nats.js.api import StreamConfig
 from nats.js.errors import NotFoundError
 
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator.broker import EmbeddedBroker
-from ddpbus.orchestrator.bus import connect
+from ddpbus.orchestrator.runtime.nats_server import EmbeddedBroker
+from ddpbus.orchestrator.transport.bus import connect
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -16,10 +16,10 @@ from jobs import CLI, delete_job, spec, start_job
 from nats.aio.client import Client
 
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator import teardown
-from ddpbus.orchestrator.broker import EmbeddedBroker
-from ddpbus.orchestrator.bus import connect
-from ddpbus.orchestrator.provision import ensure_job
+from ddpbus.orchestrator.runtime.nats_server import EmbeddedBroker
+from ddpbus.orchestrator.runtime.provision import ensure_job
+from ddpbus.orchestrator.tools import delete_job as teardown
+from ddpbus.orchestrator.transport.bus import connect
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -11,8 +11,9 @@ from nats.js.api import KeyValueConfig
 
 from ddpbus.codecs import Outbound
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator import bus, journal
-from ddpbus.orchestrator.state import Tick
+from ddpbus.orchestrator.core.state import Tick
+from ddpbus.orchestrator.persist import journal
+from ddpbus.orchestrator.transport import bus
 
 KEY = b"journal-store-key-0123456789abcd"
 JOB = "journal-test"

@@ -9,7 +9,7 @@ import pytest
 from nats.aio.client import Client
 
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator import lease
+from ddpbus.orchestrator.persist import lease
 
 
 @pytest.fixture
@@ -141,7 +141,7 @@ async def test_an_outage_is_logged_once_not_at_every_retry(
     await a.take(wait=False)
     flaky.away = True
     clock.now += 4.0  # every input and tick now tries to renew
-    with caplog.at_level("INFO", logger="ddpbus.orchestrator.lease"):
+    with caplog.at_level("INFO", logger="ddpbus.orchestrator.persist.lease"):
         assert [await a.confirm() for _ in range(20)] == [True] * 20  # within the TTL
         clock.now += 2.0
         assert not await a.confirm()  # past it: cannot act

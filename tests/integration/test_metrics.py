@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from ddpbus.codecs import Encoder
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator.broker import EmbeddedBroker
-from ddpbus.orchestrator.bus import connect
+from ddpbus.orchestrator.runtime.nats_server import EmbeddedBroker
+from ddpbus.orchestrator.transport.bus import connect
 
 pytestmark = pytest.mark.timeout(240)
 SERVING = re.compile(r"serving Prometheus metrics on http://[\d.]+:(\d+)/metrics")

@@ -11,9 +11,9 @@ from nats.js.api import DeliverPolicy
 from ddpbus.codecs import Decoder, Encoder
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator.broker import EmbeddedBroker
-from ddpbus.orchestrator.bus import publish, publish_core
-from ddpbus.orchestrator.provision import JobStorage, consumer_configs, ensure_job
+from ddpbus.orchestrator.runtime.nats_server import EmbeddedBroker
+from ddpbus.orchestrator.runtime.provision import JobStorage, consumer_configs, ensure_job
+from ddpbus.orchestrator.transport.bus import publish, publish_core
 
 JOB_KEY = b"test-job-key-0123456789abcdef!!"
 
@@ -88,7 +88,7 @@ async def test_rank_consumer_sees_broadcast_and_own_messages_in_order(nc: Client
 
 
 def test_init_job_cli(broker: EmbeddedBroker) -> None:
-    out = subprocess.run([sys.executable, "-m", "ddpbus.orchestrator.cli", "init-job",
+    out = subprocess.run([sys.executable, "-m", "ddpbus.orchestrator.tools.cli", "init-job",
                           "--job", JOB, "--nats", broker.url, "--world-size", "2"],
                          capture_output=True, text=True, timeout=60, check=True)
     assert "stream DDPBUS_prov" in out.stdout

@@ -14,8 +14,8 @@ from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
 from ddpbus.codecs import Outbound
-from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
-from ddpbus.orchestrator.bus import Publisher, PublishFailed, connect
+from ddpbus.orchestrator.runtime.nats_server import BrokerConfig, EmbeddedBroker
+from ddpbus.orchestrator.transport.bus import Publisher, PublishFailed, connect
 
 STREAM, SUBJECTS = "PUB", ["pub.>"]
 

@@ -8,10 +8,11 @@ import pytest
 
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.tensor import pack_tensors, unpack_tensors
-from ddpbus.orchestrator import bus, reducer
-from ddpbus.orchestrator.broker import EmbeddedBroker
-from ddpbus.orchestrator.bus import connect
-from ddpbus.orchestrator.state import Contribution, Reduce
+from ddpbus.orchestrator.core.state import Contribution, Reduce
+from ddpbus.orchestrator.runtime import broker_reducer
+from ddpbus.orchestrator.runtime.nats_server import EmbeddedBroker
+from ddpbus.orchestrator.transport import bus
+from ddpbus.orchestrator.transport.bus import connect
 
 
 def _blob(values: np.ndarray, mass: float) -> bytes:
@@ -24,7 +25,7 @@ def _blob(values: np.ndarray, mass: float) -> bytes:
 async def test_reduce_round_trip_and_refusals(broker: EmbeddedBroker, fault: str) -> None:
     nc = await connect(broker.url, name="reducer-test")
     js = nc.jetstream()
-    store = await reducer.rounds_store(js, "red")
+    store = await bus.rounds_store(js, "red")
     chunk = bus.object_chunk(nc.max_payload)
     rng = np.random.default_rng(3)
     params = [rng.standard_normal(300_000).astype(np.float32) for _ in range(3)]
@@ -44,7 +45,7 @@ async def test_reduce_round_trip_and_refusals(broker: EmbeddedBroker, fault: str
     elif fault == "oversized":  # replaced by far more than it announced: never read
         await bus.put_object(store, sj.round_contribution(1, 2),
                              _blob(np.zeros(3_000_000, np.float32), 1.0), chunk)
-    result = await reducer.Reducer(js, "red", nc.max_payload).run(
+    result = await broker_reducer.Reducer(js, "red", nc.max_payload).run(
         Reduce(version=1, contributions=tuple(contributions)))
     names = {i.name for i in await store.list(ignore_deletes=True)}
     if fault == "none":
@@ -73,7 +74,7 @@ async def test_a_rank_applies_only_the_consensus_its_update_names(
     from ddpbus.worker_agent.agent import fetch_consensus
 
     nc = await connect(broker.url, name="consensus-test")
-    store = await reducer.rounds_store(nc.jetstream(), "fenced")
+    store = await bus.rounds_store(nc.jetstream(), "fenced")
     chunk = bus.object_chunk(nc.max_payload)
     real = _blob(np.ones(1000, np.float32), 1.0)
     digest = await bus.put_object(store, sj.round_consensus(4), real, chunk)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpbus.orchestrator.broker import EmbeddedBroker
-from ddpbus.orchestrator.bus import connect
-from ddpbus.orchestrator.provision import ensure_job
+from ddpbus.orchestrator.runtime.nats_server import EmbeddedBroker
+from ddpbus.orchestrator.runtime.provision import ensure_job
+from ddpbus.orchestrator.transport.bus import connect
 from ddpbus.worker_agent.rendezvous import NatsKVStore, StoreTimeout
 
 JOB = "rdv"

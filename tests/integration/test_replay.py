@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from jobs import chaos_job, kill_and_restart
 
-from ddpbus.orchestrator.broker import EmbeddedBroker
+from ddpbus.orchestrator.runtime.nats_server import EmbeddedBroker
 
 pytestmark = pytest.mark.timeout(240)
-CLI = [sys.executable, "-m", "ddpbus.orchestrator.cli", "replay"]
+CLI = [sys.executable, "-m", "ddpbus.orchestrator.tools.cli", "replay"]
 
 
 def replay(url: str, key_file: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -14,7 +14,7 @@ import pytest
 from jobs import chaos_job, kill_and_restart
 from PIL import Image
 
-from ddpbus.orchestrator.broker import EmbeddedBroker
+from ddpbus.orchestrator.runtime.nats_server import EmbeddedBroker
 
 pytestmark = pytest.mark.timeout(300)
 PLOTS = ("loss", "throughput", "batch_share", "anchor", "divergence")
@@ -54,7 +54,7 @@ def test_the_report_of_a_recorded_run_renders_in_chromium(broker: EmbeddedBroker
         job.kill()
     out = tmp_path / "report"
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
-    made = subprocess.run([sys.executable, "-m", "ddpbus.orchestrator.cli", "report", "--job",
+    made = subprocess.run([sys.executable, "-m", "ddpbus.orchestrator.tools.cli", "report", "--job",
                            "shown", "--nats", broker.url, "--key-file",
                            str(tmp_path / "job.key"), "--out", str(out)],
                           capture_output=True, text=True, timeout=120, env=env, check=False)

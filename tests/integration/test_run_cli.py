@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from jobs import children, running, wait_for
 
-from ddpbus.orchestrator import cli
+from ddpbus.orchestrator.tools import cli
 
 ROOT = Path(__file__).resolve().parents[2]
-RUN = [sys.executable, "-m", "ddpbus.orchestrator.cli", "run"]
+RUN = [sys.executable, "-m", "ddpbus.orchestrator.tools.cli", "run"]
 DIGITS = str(ROOT / "examples" / "digits.py") + ":spec"
 
 pytestmark = pytest.mark.timeout(240)

@@ -19,9 +19,9 @@ from jobs import KEY, ROOT, Job, wait_for
 
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import ConfigError
-from ddpbus.orchestrator.broker import EmbeddedBroker
-from ddpbus.orchestrator.bus import connect
-from ddpbus.orchestrator.simulate import SimulatedCohort, speeds
+from ddpbus.orchestrator.runtime.nats_server import EmbeddedBroker
+from ddpbus.orchestrator.tools.simulate import SimulatedCohort, speeds
+from ddpbus.orchestrator.transport.bus import connect
 
 SPEC = f"{ROOT / 'bench' / 'specs' / 'simulated.py'}:spec"
 
@@ -123,7 +123,7 @@ def test_ranks_that_die_together_are_one_membership_change(broker: EmbeddedBroke
 
 @pytest.mark.parametrize("flag", ["32", "x@1", "0@1", "3@-1", "3@inf"])
 def test_bad_kill_flags_are_refused(flag: str, tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "ddpbus.orchestrator.cli", "simulate",
+    done = subprocess.run([sys.executable, "-m", "ddpbus.orchestrator.tools.cli", "simulate",
                            "--job", "sim", "--nats", "nats://127.0.0.1:1", "--ranks", "8",
                            "--kill", flag], check=False, capture_output=True, text=True,
                           timeout=60, cwd=tmp_path)

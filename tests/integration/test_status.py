@@ -15,11 +15,11 @@ import pytest
 from jobs import KEY, Job, chaos_job, delete_job, spec, start_job
 
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator.broker import BrokerConfig, EmbeddedBroker
-from ddpbus.orchestrator.bus import connect
+from ddpbus.orchestrator.runtime.nats_server import BrokerConfig, EmbeddedBroker
+from ddpbus.orchestrator.transport.bus import connect
 
 pytestmark = pytest.mark.timeout(240)
-CLI = [sys.executable, "-m", "ddpbus.orchestrator.cli", "status"]
+CLI = [sys.executable, "-m", "ddpbus.orchestrator.tools.cli", "status"]
 
 
 def status(url: str, key_file: Path, *args: str, job: str = "watched"

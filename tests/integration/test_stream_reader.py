@@ -16,7 +16,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator import bus
+from ddpbus.orchestrator.transport import bus
 
 STREAM = "READER_TEST"
 

@@ -16,13 +16,13 @@ from ddpbus.codecs import Encoder
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.envelope import Signer
-from ddpbus.orchestrator.broker import EmbeddedBroker
-from ddpbus.orchestrator.bus import connect
-from ddpbus.orchestrator.provision import ensure_job
+from ddpbus.orchestrator.runtime.nats_server import EmbeddedBroker
+from ddpbus.orchestrator.runtime.provision import ensure_job
+from ddpbus.orchestrator.transport.bus import connect
 
 KEY = b"golden-stream-job-key-0123456789"
 GOLDEN = Path(__file__).resolve().parent / "golden"
-CLI = [sys.executable, "-m", "ddpbus.orchestrator.cli", "sub"]
+CLI = [sys.executable, "-m", "ddpbus.orchestrator.tools.cli", "sub"]
 STAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
 UPDATE = os.environ.get("DDPTEST_UPDATE_GOLDEN") == "1"
 

@@ -18,9 +18,9 @@ from nats.js.errors import NotFoundError
 from ddpbus.codecs import Encoder
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator import lease
-from ddpbus.orchestrator.broker import EmbeddedBroker
-from ddpbus.orchestrator.bus import connect, publish
+from ddpbus.orchestrator.persist import lease
+from ddpbus.orchestrator.runtime.nats_server import EmbeddedBroker
+from ddpbus.orchestrator.transport.bus import connect, publish
 
 pytestmark = pytest.mark.timeout(300)
 

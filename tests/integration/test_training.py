@@ -18,7 +18,7 @@ import torch
 from jobs import SPECS, LiveTap, held_metrics, spec, start_job, stream_messages, stream_types
 from safetensors.torch import load_file
 
-from ddpbus.orchestrator.broker import EmbeddedBroker
+from ddpbus.orchestrator.runtime.nats_server import EmbeddedBroker
 from ddpbus.worker_agent.data import epoch_permutation
 from ddpbus.worker_agent.spec import load_spec
 

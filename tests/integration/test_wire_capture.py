@@ -14,8 +14,8 @@ from nats.aio.msg import Msg
 from ddpbus.codecs import Encoder
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator.bus import publish, publish_core
-from ddpbus.orchestrator.provision import ensure_job
+from ddpbus.orchestrator.runtime.provision import ensure_job
+from ddpbus.orchestrator.transport.bus import publish, publish_core
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = "capture"

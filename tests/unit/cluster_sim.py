@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator.config import Schedule
-from ddpbus.orchestrator.core import initial_state, transition
-from ddpbus.orchestrator.state import (
+from ddpbus.orchestrator.core.config import Schedule
+from ddpbus.orchestrator.core.state import (
     Admit,
     Command,
     CoreConfig,
@@ -34,6 +33,7 @@ from ddpbus.orchestrator.state import (
     Tick,
     Timing,
 )
+from ddpbus.orchestrator.core.transition import initial_state, transition
 
 SIG = b"\x11" * m.MODEL_SIGNATURE_BYTES
 UID = b"\x22" * m.NCCL_ID_BYTES
@@ -227,7 +227,7 @@ class Sim:
         self._send_held(r)
 
     def _send_held(self, r: SimRank) -> None:
-        """Like the agent (orchestrator/reports.py): the metrics of the plan a closing
+        """Like the agent (orchestrator/core/coalesce.py): the metrics of the plan a closing
         batch finished go after the SyncAck (a moment later; a rank killed meanwhile loses
         them)."""
         held, r.held = r.held, []

@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator.config import schedule_from
-from ddpbus.orchestrator.core import initial_state, transition
-from ddpbus.orchestrator.state import (
+from ddpbus.orchestrator.core.config import schedule_from
+from ddpbus.orchestrator.core.state import (
     Admit,
     Command,
     CoreConfig,
@@ -19,6 +18,7 @@ from ddpbus.orchestrator.state import (
     Send,
     Timing,
 )
+from ddpbus.orchestrator.core.transition import initial_state, transition
 
 SIG = b"\x11" * m.MODEL_SIGNATURE_BYTES
 UID = b"\x22" * m.NCCL_ID_BYTES

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ddpbus.orchestrator.elche import ElChe, RankWindow, WindowReport
+from ddpbus.orchestrator.core.elche import ElChe, RankWindow, WindowReport
 
 
 def make(ranks: int = 2, **knobs: object) -> ElChe:

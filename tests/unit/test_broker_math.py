@@ -10,8 +10,13 @@ import torch
 
 from ddpbus.codecs.errors import InvalidField, MalformedPayload
 from ddpbus.codecs.tensor import pack_tensors, unpack_tensors
-from ddpbus.orchestrator.reducer import Accumulator, ReduceError, bf16_to_f32, f32_to_bf16
-from ddpbus.orchestrator.state import Contribution
+from ddpbus.orchestrator.core.state import Contribution
+from ddpbus.orchestrator.runtime.broker_reducer import (
+    Accumulator,
+    ReduceError,
+    bf16_to_f32,
+    f32_to_bf16,
+)
 from ddpbus.worker_agent import averaging
 
 

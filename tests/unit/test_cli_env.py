@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpbus.orchestrator import auth
-from ddpbus.orchestrator.cli import ENV_VARS, build_parser, merge_env
+from ddpbus.orchestrator.tools.cli import ENV_VARS, build_parser, merge_env
+from ddpbus.orchestrator.transport import auth
 
 
 def test_path_variables_become_paths() -> None:
@@ -49,7 +49,7 @@ def test_bad_nats_login_flags_are_refused_before_anything_connects(
              "SEED": str(seed)}
     argv = ["status", "--job", "j", "--key-file", str(key), "--nats", "nats://127.0.0.1:1",
             *(files.get(f, f) for f in flags)]
-    out = subprocess.run([sys.executable, "-m", "ddpbus.orchestrator.cli", *argv],
+    out = subprocess.run([sys.executable, "-m", "ddpbus.orchestrator.tools.cli", *argv],
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 2, out.stderr
     assert message.replace("MISSING", files["MISSING"]) in out.stderr

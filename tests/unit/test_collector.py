@@ -13,19 +13,19 @@ from typing import Any
 import pytest
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator import collector
-from ddpbus.orchestrator.collector import Collector
-from ddpbus.orchestrator.simulate import SimulatedCohort
+from ddpbus.orchestrator.core import gc_policy
+from ddpbus.orchestrator.core.gc_policy import Collector
+from ddpbus.orchestrator.tools.simulate import SimulatedCohort
 
 # Allocates cyclic garbage in the old generation well past the point where CPython starts
 # a full pass on its own, recording the generation of every pass; then one Collector pass.
 _PROBE = """
 import gc, json, sys
-from ddpbus.orchestrator import collector
+from ddpbus.orchestrator.core import gc_policy
 gc.collect()
 gc.freeze()
 if sys.argv[1] == "taken":
-    collector.take_full_passes()
+    gc_policy.take_full_passes()
 passes = []
 gc.callbacks.append(lambda phase, info: phase == "stop" and passes.append(info["generation"]))
 class Node:
@@ -38,7 +38,7 @@ for _ in range(200_000):
     if len(live) == 20_000:
         live = []  # garbage now, in the old generation: only a full pass finds it
 gc.callbacks.clear()
-found = collector.Collector().collect()
+found = gc_policy.Collector().collect()
 print(json.dumps({"passes": passes, "found": found, "threshold": gc.get_threshold()}))
 """
 
@@ -57,7 +57,7 @@ def test_no_allocation_starts_a_full_pass_once_taken_over() -> None:
     assert 2 not in taken["passes"]
     assert 0 in taken["passes"]  # the young generations stay automatic
     assert 1 in taken["passes"]
-    assert taken["threshold"][2] == collector.NEVER
+    assert taken["threshold"][2] == gc_policy.NEVER
     # every cycle dropped in the old generation waited for the collector's own pass
     assert taken["found"] >= 9 * 2 * 20_000
     assert free["found"] < taken["found"]
@@ -75,7 +75,7 @@ def test_a_quiet_moment_collects_at_most_every_interval() -> None:
     clock = FakeClock()
     c = Collector(clock)
     assert not c.quiet_due()  # the process starts with a full pass
-    clock.now += collector.EVERY_S - 0.01
+    clock.now += gc_policy.EVERY_S - 0.01
     assert not c.quiet_due()
     clock.now += 0.01
     assert c.quiet_due()
@@ -89,7 +89,7 @@ def test_a_quiet_moment_collects_at_most_every_interval() -> None:
 def test_a_pass_is_overdue_after_the_overdue_interval_whatever_happens() -> None:
     clock = FakeClock()
     c = Collector(clock)
-    clock.now += collector.OVERDUE_S - 0.01
+    clock.now += gc_policy.OVERDUE_S - 0.01
     assert c.quiet_due()
     assert not c.overdue()
     clock.now += 0.01
@@ -118,7 +118,7 @@ async def test_the_simulator_collects_once_its_acks_are_on_the_wire(
                              collector=made)
     sent: list[object] = []
     monkeypatch.setattr(cohort, "_emit", lambda r, msg, durable: sent.append(msg))
-    clock.now += collector.EVERY_S
+    clock.now += gc_policy.EVERY_S
     for r in cohort.ranks:
         cohort.handle(r, m.SyncNow())
     assert sum(isinstance(x, m.SyncAck) for x in sent) == 64
@@ -127,7 +127,7 @@ async def test_the_simulator_collects_once_its_acks_are_on_the_wire(
         await asyncio.sleep(0)
     assert happened == ["flush", "collect"]  # the acks out first, once for the cohort
     assert made.passes == 1
-    clock.now += collector.EVERY_S / 2
+    clock.now += gc_policy.EVERY_S / 2
     for r in cohort.ranks:  # the next average, too soon
         cohort.handle(r, m.SyncNow())
     for _ in range(3):

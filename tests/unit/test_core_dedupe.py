@@ -6,8 +6,8 @@ from __future__ import annotations
 from core_harness import Core, formed, refusals
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator.core import first_delivery
-from ddpbus.orchestrator.state import ID_HOLES, Command, Metrics, Timing
+from ddpbus.orchestrator.core.state import ID_HOLES, Command, Metrics, Timing
+from ddpbus.orchestrator.core.transition import first_delivery
 
 
 def batch(core: Core, rank: int, msg_id: str) -> list[Command]:

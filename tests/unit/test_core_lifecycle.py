@@ -5,8 +5,7 @@ from __future__ import annotations
 from core_harness import UID, Core, formed, records, refusals, sends
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator.core import initial_state
-from ddpbus.orchestrator.state import (
+from ddpbus.orchestrator.core.state import (
     Command,
     CoreConfig,
     Finish,
@@ -15,6 +14,7 @@ from ddpbus.orchestrator.state import (
     Tick,
     Timing,
 )
+from ddpbus.orchestrator.core.transition import initial_state
 
 # ------------------------------------------------------------------- liveness
 

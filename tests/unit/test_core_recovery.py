@@ -18,9 +18,9 @@ from cluster_sim import Sim
 from core_harness import UID, Core, formed, hello, records, sends
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator.config import schedule_from
-from ddpbus.orchestrator.state import Joined, Phase, Timing
-from ddpbus.orchestrator.summary import summarize
+from ddpbus.orchestrator.core.config import schedule_from
+from ddpbus.orchestrator.core.state import Joined, Phase, Timing
+from ddpbus.orchestrator.core.summary import summarize
 
 BATCH = 8
 DATASET = 2400  # 300 batches per epoch
@@ -272,7 +272,7 @@ def test_a_stale_incarnation_cannot_rejoin() -> None:
     sim.at(0.2, lambda: sim.restart(1))
 
     def stale() -> None:
-        from ddpbus.orchestrator.state import Joined
+        from ddpbus.orchestrator.core.state import Joined
         sim.to_core(Joined(m.Hello(rank=1, generation=1, host="sim", device="cpu",
                                    model_signature=b"\x11" * m.MODEL_SIGNATURE_BYTES,
                                    world_size=3, backend="gloo", dataset_size=DATASET)))
@@ -297,14 +297,14 @@ def test_a_rank_leaving_gracefully_is_shrunk_around_without_counting_as_a_failur
 
 
 def m_exiting(rank: int) -> Any:
-    from ddpbus.orchestrator.state import Timing
+    from ddpbus.orchestrator.core.state import Timing
     return Timing(m.Exiting(rank=rank))
 
 
 @pytest.mark.parametrize("restored", [True, False])
 def test_silence_while_the_broker_was_away_is_no_death(restored: bool) -> None:
-    from ddpbus.orchestrator.core import transition
-    from ddpbus.orchestrator.state import BusRestored, Record, Tick
+    from ddpbus.orchestrator.core.state import BusRestored, Record, Tick
+    from ddpbus.orchestrator.core.transition import transition
     sim = make("cadence", speeds=SLOW)
     with pytest.raises(AssertionError, match="no Finish"):
         sim.run(until=1.0)  # training, every rank heard within the last second

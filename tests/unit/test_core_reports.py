@@ -15,9 +15,9 @@ import pytest
 from core_harness import Core, formed, records, refusals, sends
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator import snapshot
-from ddpbus.orchestrator.reports import ReportBuffer, hold_share
-from ddpbus.orchestrator.state import Command, Phase, Timing
+from ddpbus.orchestrator.core.coalesce import ReportBuffer, hold_share
+from ddpbus.orchestrator.core.state import Command, Phase, Timing
+from ddpbus.orchestrator.persist import snapshot
 
 
 def _finished_by(core: Core, rank: int, n: int) -> list[tuple[int, int]]:

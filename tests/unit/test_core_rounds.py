@@ -9,10 +9,9 @@ from core_harness import Core, records, refusals, sends
 
 from ddpbus.codecs import messages as m
 from ddpbus.codecs.errors import ConfigError
-from ddpbus.orchestrator import rounds, snapshot
-from ddpbus.orchestrator.config import describe, schedule_from
-from ddpbus.orchestrator.core import initial_state
-from ddpbus.orchestrator.state import (
+from ddpbus.orchestrator.core import rounds
+from ddpbus.orchestrator.core.config import describe, schedule_from
+from ddpbus.orchestrator.core.state import (
     Command,
     CoreConfig,
     Phase,
@@ -21,6 +20,8 @@ from ddpbus.orchestrator.state import (
     Tick,
     Timing,
 )
+from ddpbus.orchestrator.core.transition import initial_state
+from ddpbus.orchestrator.persist import snapshot
 
 DIGEST = "SHA-256=abc"
 

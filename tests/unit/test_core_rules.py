@@ -15,7 +15,7 @@ from core_harness import (
 )
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator.state import Admit, Joined, Phase, Stop, Tick, Timing
+from ddpbus.orchestrator.core.state import Admit, Joined, Phase, Stop, Tick, Timing
 
 # ------------------------------------------------------------------ admission
 

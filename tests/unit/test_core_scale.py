@@ -8,9 +8,10 @@ import pytest
 from core_harness import UID, Core, records, sends
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator import snapshot, window
-from ddpbus.orchestrator.pools import Pool
-from ddpbus.orchestrator.state import Command, Phase, RankState, State, Tick, Timing
+from ddpbus.orchestrator.core import window
+from ddpbus.orchestrator.core.pools import Pool
+from ddpbus.orchestrator.core.state import Command, Phase, RankState, State, Tick, Timing
+from ddpbus.orchestrator.persist import snapshot
 
 
 @pytest.mark.parametrize("world", [64, 512])

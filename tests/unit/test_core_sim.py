@@ -9,8 +9,8 @@ import pytest
 from cluster_sim import Sim
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator.config import schedule_from
-from ddpbus.orchestrator.state import Record, Send
+from ddpbus.orchestrator.core.config import schedule_from
+from ddpbus.orchestrator.core.state import Record, Send
 
 BATCH = 8
 POLICY_GRID = [(p, prog) for p in ("sync", "cadence", "async") for prog in (True, False)]

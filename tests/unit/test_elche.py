@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from elche_helpers import feed, make
 
-from ddpbus.orchestrator.elche import (
+from ddpbus.orchestrator.core.elche import (
     Phase,
     RankWindow,
     WindowReport,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from test_elche import feed, make
 
-from ddpbus.orchestrator.elche import (
+from ddpbus.orchestrator.core.elche import (
     STABLE,
     ElChe,
     GuardVerdict,

@@ -8,10 +8,10 @@ import pytest
 
 from ddpbus.codecs import messages as m
 from ddpbus.codecs.convert import epoch_metrics_from_wire, epoch_metrics_to_wire
-from ddpbus.orchestrator.aggregate import RankSum, aggregate_epoch
-from ddpbus.orchestrator.elche import STABLE, Verdict
-from ddpbus.orchestrator.guard import TrendGuard, cosine
-from ddpbus.orchestrator.pools import Assignment, Pool, equal_split, proportional_split
+from ddpbus.orchestrator.core.aggregate import RankSum, aggregate_epoch
+from ddpbus.orchestrator.core.elche import STABLE, Verdict
+from ddpbus.orchestrator.core.guard import TrendGuard, cosine
+from ddpbus.orchestrator.core.pools import Assignment, Pool, equal_split, proportional_split
 
 # ----------------------------------------------------------------------- guard
 

@@ -13,10 +13,10 @@ from cluster_sim import Sim
 from ddpbus.codecs import Decoder, Encoder
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator import journal, snapshot
-from ddpbus.orchestrator.config import schedule_from
-from ddpbus.orchestrator.core import initial_state, transition
-from ddpbus.orchestrator.state import Event, Joined, Metrics, State
+from ddpbus.orchestrator.core.config import schedule_from
+from ddpbus.orchestrator.core.state import Event, Joined, Metrics, State
+from ddpbus.orchestrator.core.transition import initial_state, transition
+from ddpbus.orchestrator.persist import journal, snapshot
 
 KEY = b"journal-test-key-0123456789abcdef"
 JOB = "jj"
@@ -125,7 +125,7 @@ def test_a_signed_but_malformed_segment_is_refused(doc: object, match: str) -> N
 
 def test_a_segment_round_trips() -> None:
     from ddpbus.codecs import Outbound
-    from ddpbus.orchestrator.state import Reduced, Tick
+    from ddpbus.orchestrator.core.state import Reduced, Tick
     wire = journal.Wire("ddpbus.jj.timing.rank.0", {"Ddpbus-Type": "TimingMsg.Batch"},
                         b"\x00\x01", stream=True)
     out = Outbound(subject="ddpbus.jj.control.all", headers={"Nats-Msg-Id": "c.1"},

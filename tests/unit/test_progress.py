@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator.progress import RunMonitor
+from ddpbus.orchestrator.tools.progress import RunMonitor
 
 
 def _reports(step: int, n: int) -> m.Reports:

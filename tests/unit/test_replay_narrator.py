@@ -8,8 +8,8 @@ import datetime as dt
 from ddpbus.codecs import Decoder, Encoder, Envelope
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
-from ddpbus.orchestrator.replay import Narrator
-from ddpbus.orchestrator.state import ID_HOLES
+from ddpbus.orchestrator.core.state import ID_HOLES
+from ddpbus.orchestrator.tools.replay import Narrator
 
 JOB, KEY = "told", b"k" * 32
 ALL = sj.CONTROL_ALL.subject(JOB)

@@ -16,12 +16,13 @@ from core_harness import Core, hello, records
 from rich.console import Console
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator import bundles, resume
-from ddpbus.orchestrator.config import schedule_from
-from ddpbus.orchestrator.elche import ElChe
-from ddpbus.orchestrator.progress import final_table
-from ddpbus.orchestrator.state import Joined
-from ddpbus.orchestrator.summary import summarize
+from ddpbus.orchestrator.core import bundle_meta
+from ddpbus.orchestrator.core.config import schedule_from
+from ddpbus.orchestrator.core.elche import ElChe
+from ddpbus.orchestrator.core.state import Joined
+from ddpbus.orchestrator.core.summary import summarize
+from ddpbus.orchestrator.persist import bundles
+from ddpbus.orchestrator.tools.progress import final_table
 from ddpbus.worker_agent import checkpoint
 
 BATCH, DATASET, EPOCHS = 8, 2400, 4
@@ -67,7 +68,7 @@ def test_bundle_every_zero_keeps_only_the_final_one() -> None:
 
 def _point(s: Sim, version: int) -> Any:
     [msg] = [x for x in saved(s) if x.version == version]
-    return resume.point(f"test v{version}", version, json.loads(msg.bundle_meta))
+    return bundle_meta.point(f"test v{version}", version, json.loads(msg.bundle_meta))
 
 
 def test_a_resumed_run_trains_only_the_later_epochs_and_proves_the_whole_run() -> None:
@@ -139,7 +140,7 @@ def test_a_bad_meta_is_refused(change: Any, why: str) -> None:
     meta = json.loads(saved(first)[1].bundle_meta)
     change(meta)
     with pytest.raises(bundles.BundleError, match=why):
-        resume.point("bad", 2, meta)
+        bundle_meta.point("bad", 2, meta)
 
 
 def _manifest(**meta: Any) -> bundles.Manifest:

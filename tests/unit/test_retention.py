@@ -1,11 +1,11 @@
-"""What of a job's stream may go (orchestrator/retention.py): the pure rules."""
+"""What of a job's stream may go (orchestrator/runtime/retention.py): the pure rules."""
 
 from __future__ import annotations
 
 import pytest
 
 from ddpbus.codecs.errors import ConfigError
-from ddpbus.orchestrator.retention import Purge, Retention, horizon, plan
+from ddpbus.orchestrator.runtime.retention import Purge, Retention, horizon, plan
 
 JOB = "ret"
 P = f"ddpbus.{JOB}"

@@ -12,12 +12,12 @@ import pytest
 from cluster_sim import Sim
 
 from ddpbus.codecs import Outbound
-from ddpbus.orchestrator import snapshot
-from ddpbus.orchestrator.config import schedule_from
-from ddpbus.orchestrator.core import transition
-from ddpbus.orchestrator.pools import Assignment
-from ddpbus.orchestrator.state import Tick
-from ddpbus.orchestrator.summary import summarize
+from ddpbus.orchestrator.core.config import schedule_from
+from ddpbus.orchestrator.core.pools import Assignment
+from ddpbus.orchestrator.core.state import Tick
+from ddpbus.orchestrator.core.summary import summarize
+from ddpbus.orchestrator.core.transition import transition
+from ddpbus.orchestrator.persist import snapshot
 
 KEY = b"snapshot-test-key-0123456789abcdef"
 
@@ -66,6 +66,7 @@ def _signed(tree: object, magic: bytes = snapshot.MAGIC) -> bytes:
 
 
 @pytest.mark.parametrize("path", ["os:system", "builtins:eval", "subprocess:Popen",
+                                  "ddpbus.orchestrator.persist.snapshot:_class",
                                   "ddpbus.orchestrator.snapshot:_class"])
 def test_a_signed_snapshot_naming_a_foreign_class_builds_nothing(path: str) -> None:
     with pytest.raises(snapshot.SnapshotError, match=r"may not|not a ddpbus class"):
@@ -116,11 +117,27 @@ def test_a_field_added_since_takes_its_default() -> None:
         snapshot.decode(_without(data, ":Pool", "epoch"), KEY)  # no default: refused
 
 
+def test_a_snapshot_written_before_the_layered_layout_still_loads() -> None:
+    """Its classes are named by their old flat modules (``ddpbus.orchestrator.state:…``):
+    a coordinator upgraded mid-job resumes from it, to the same state."""
+    data = snapshot.encode(_snap(_ran()), KEY)
+    doc = json.loads(zlib.decompress(data[len(snapshot.MAGIC) + 32:]))
+    old = {new: was for was, new in snapshot.MOVED.items()}
+    renamed = 0
+    for row in doc["classes"]:
+        module, _, name = row[0].partition(":")
+        if module in old:
+            row[0], renamed = f"{old[module]}:{name}", renamed + 1
+    assert renamed >= 3  # the snapshot, the state and its parts
+    back = snapshot.decode(_signed(doc), KEY)
+    assert snapshot.document(back) == snapshot.document(snapshot.decode(data, KEY))
+
+
 def test_the_format_is_not_pickle() -> None:
     data = snapshot.encode(_snap(_ran()), KEY)
     body = zlib.decompress(data[len(snapshot.MAGIC) + 32:])
     doc = json.loads(body)
-    assert doc["classes"][doc["root"]["$o"]][0] == "ddpbus.orchestrator.snapshot:Snapshot"
+    assert doc["classes"][doc["root"]["$o"]][0] == "ddpbus.orchestrator.persist.snapshot:Snapshot"
 
 
 def test_a_long_run_keeps_its_state_the_size_of_the_cohort() -> None:

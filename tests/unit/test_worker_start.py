@@ -16,7 +16,7 @@ import torch.distributed as dist
 from worker_harness import run_config, spec
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator.auth import Access
+from ddpbus.orchestrator.transport.auth import Access
 from ddpbus.worker_agent import checkpoint
 from ddpbus.worker_agent.agent import (
     EXIT_FAILED,

@@ -54,7 +54,7 @@ server's config and restart NATS on every upgrade). Computed once per render and
 {{- end -}}
 
 {{/* the nats-server permissions of one identity, as JSON: (dict "root" . "identity" ID).
-files/permissions.json is ddpbus.orchestrator.auth.chart_permissions() (a chart test keeps
+files/permissions.json is ddpbus.orchestrator.transport.auth.chart_permissions() (a chart test keeps
 them equal), placeholders filled in here; training.resume adds read access to that job. */}}
 {{- define "ddpbus.permissions" -}}
 {{- $role := .identity -}}

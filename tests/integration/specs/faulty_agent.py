@@ -17,7 +17,7 @@ from typing import Any
 
 from chaos import spec
 
-from ddpbus.orchestrator import bus
+from ddpbus.orchestrator.transport import bus
 from ddpbus.worker_agent import agent
 
 _handle = agent.WorkerAgent._on_control
