@@ -1,4 +1,4 @@
-"""One home for every domain <-> wire conversion (the seed's idea, kept).
+"""One home for every domain <-> wire conversion.
 
 The domain messages (:mod:`ddpbus.codecs.messages`) travel inside processes; their protobuf
 twins (``ddpbus.v1`` in ``proto/``) travel on NATS. Every variant has exactly one

@@ -1,7 +1,7 @@
 """Domain messages: the frozen, slotted dataclasses the rest of ddpbus passes around.
 
 Nothing here knows a wire format; :mod:`ddpbus.codecs.convert` maps each class to and from
-its protobuf twin. Field meanings follow flodl's cluster DDP (reference notes B.2-B.4).
+its protobuf twin. Field meanings follow flodl's cluster DDP.
 Integers that are unsigned on the wire (ranks, steps, offsets) must be in ``[0, 2**64)``;
 the converter refuses anything else with :class:`~ddpbus.codecs.errors.EncodeError`.
 """
@@ -99,7 +99,7 @@ class IntentKind(enum.Enum):
 
 
 class Policy(enum.Enum):
-    """When a reduce fires (reference C.2): every step, on El Che's window, or on the window
+    """When a reduce fires: every step, on El Che's window, or on the window
     with bounded lookahead."""
 
     SYNC = "sync"

@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
             text=True, check=False).stdout.strip(),
         "machine": {"cores": os.cpu_count(), "python": platform.python_version()},
-        "hog": args.hog, "full_chaos": args.full, "paths": args.paths, "pytest_args": extra, "rounds": rounds,
+        "hog": args.hog, "full_chaos": args.full, "paths": args.paths, "pytest_args": extra,
+        "rounds": rounds,
         "failed_in_any_round": {t: [r["round"] for r in rounds if t in r["failed_tests"]]
                                 for t in flaky},
     }

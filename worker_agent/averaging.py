@@ -1,4 +1,4 @@
-"""Work-weighted parameter averaging with torch.distributed (reference C.3, NCCL arm).
+"""Work-weighted parameter averaging with torch.distributed.
 
 On SyncNow every rank contributes, in ONE all-reduce-sum per parameter dtype group:
 

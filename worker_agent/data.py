@@ -1,4 +1,4 @@
-"""Deterministic data partitioning on the rank side (reference C.7).
+"""Deterministic data partitioning on the rank side.
 
 Every rank, and anyone checking coverage, computes the same permutation for an epoch:
 ``epoch_permutation(n, seed, epoch)`` is NumPy's PCG64 stream seeded with ``seed + epoch``

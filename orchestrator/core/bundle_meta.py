@@ -1,5 +1,5 @@
 """Resume bundles, the pure part: the meta record the core writes at an epoch boundary and
-the state a resumed run starts from (reference D.4, D.6; storage in :mod:`.bundles`).
+the state a resumed run starts from (storage in :mod:`.bundles`).
 
 A bundle is taken right after the average that closes epoch ``E`` (so the saving rank holds
 the consensus, and every batch of epochs ``0..E`` is in it exactly once; the coverage

@@ -4,7 +4,7 @@ A :class:`Schedule` is built from the user's training spec (``TrainSpec(knobs={.
 then overridden by command-line flags (``--policy``, ``--knob name=value``), and checked as
 a whole before anything starts: an unknown knob, a wrong type or a value out of range is a
 :class:`~ddpbus.codecs.errors.ConfigError` naming the knob and what it accepts. Defaults
-follow the newest flodl generation (reference notes C.1.2, H.2).
+follow the newest flodl generation.
 """
 
 from __future__ import annotations
@@ -102,14 +102,14 @@ class Schedule:
     @property
     def effective_easgd_alpha(self) -> float:
         """1 overwrites (plain averaging); below 1 each rank moves that share of the way
-        toward the consensus (EASGD, reference C.3: default 0.5 for async on the broker)."""
+        toward the consensus (EASGD: default 0.5 for async on the broker)."""
         if self.easgd_alpha is not None:
             return self.easgd_alpha
         return 0.5 if self.policy is Policy.ASYNC and self.backend is Backend.BROKER else 1.0
 
     @property
     def effective_divergence_threshold(self) -> float:
-        """The guard's threshold (reference C.4, H.2): 0.05 where an average overwrites
+        """The guard's threshold: 0.05 where an average overwrites
         every replica, 0.3 where EASGD blends (alpha < 1: replicas stay further apart by
         design, and 0.05 would veto growth for good)."""
         if self.divergence_threshold is not None:
@@ -148,8 +148,8 @@ class Schedule:
 
     @property
     def effective_collective_timeout(self) -> timedelta:
-        """How long a collective may hang on a silent peer before it fails (reference: the
-        window-completion ceiling, heartbeat timeout + 2 s)."""
+        """How long a collective may hang on a silent peer before it fails (flodl's
+        window-completion ceiling: heartbeat timeout + 2 s)."""
         if self.collective_timeout is not None:
             return self.collective_timeout
         return self.heartbeat_timeout + timedelta(seconds=2)

@@ -1,4 +1,4 @@
-"""Callbacks on an elected rank: eval, checkpoint, epoch_fn (reference C.10), and the end.
+"""Callbacks on an elected rank: eval, checkpoint, epoch_fn, and the end.
 
 One logical callback per event cluster-wide. The role is the rank pinned by the
 ``callback_rank`` knob, else the fastest: the lowest rank until El Che first calibrates,
@@ -171,7 +171,7 @@ def _dispatch_bundle(s: State, epoch: int, out: Out) -> None:
 def retry_evals(s: State, out: Out) -> None:
     """Send again, right after an average (or once none comes any more), the evals whose
     rank died before answering: the heir then scores a consensus, as the boundary's eval
-    would have, not its own parameters trained on since (reference C.10)."""
+    would have, not its own parameters trained on since."""
     due, s.evals_due = s.evals_due, []
     for epoch in due:
         dispatch_eval(s, epoch, out)

@@ -1,4 +1,4 @@
-"""El Che: how many batches each rank runs between two averages (reference C.1.2).
+"""El Che: how many batches each rank runs between two averages.
 
 The slowest rank anchors the window with ``anchor`` batches; every other rank gets
 ``round(anchor * slow_ms / ms_r)`` (at least 1, speed ratio capped at 64) so all ranks reach
@@ -182,7 +182,7 @@ class ElChe:
     # ---------------------------------------------------------------- bundles
 
     def export_state(self) -> dict[str, Any]:
-        """What a resume bundle keeps (reference ``ElCheState``): anchor, anchor rank,
+        """What a resume bundle keeps: anchor, anchor rank,
         per-rank smoothed ms/batch and counts, calibrations, growth latch. Knobs are not
         kept: the resumed run supplies them."""
         return {"anchor": self.anchor, "anchor_rank": self.anchor_rank,

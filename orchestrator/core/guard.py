@@ -1,4 +1,4 @@
-"""The divergence guard (reference C.4): may El Che grow its window?
+"""The divergence guard: may El Che grow its window?
 
 Input per average: ``D = max_r |theta_pre,r - theta_post| / |theta_post|`` from the SyncAcks.
 The trend guard keeps the last 5 values; when the last three strictly rise and the latest

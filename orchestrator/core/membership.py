@@ -4,7 +4,7 @@ Pure functions over :class:`~ddpbus.orchestrator.core.state.State` that append c
 ``out``. A rank is admitted when its Hello agrees with the cohort (world size, model
 signature, dataset size, a backend the cohort can share); when every rank is in, one rank is
 asked to mint a communicator session id (RequestNewNcclId -> NewNcclIdGenerated ->
-NewNcclSession to every member, reference D.3). A rank silent past the heartbeat timeout is
+NewNcclSession to every member). A rank silent past the heartbeat timeout is
 declared dead exactly once; one that said Exiting never is.
 """
 

@@ -1,4 +1,4 @@
-"""Per-epoch work pools and the plans cut from them (reference C.5, C.7).
+"""Per-epoch work pools and the plans cut from them.
 
 Every epoch is the permutation ``perm(seed + epoch)`` of the dataset, trimmed to whole
 batches (the sub-batch remainder is dropped, a different one each epoch). The coordinator only

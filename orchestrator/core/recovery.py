@@ -1,6 +1,6 @@
 """Recovery: a rank's death (elastic shrink) and a restarted rank's return (grow-back).
 
-A death (reference D.2, D.3), processed exactly once per incarnation:
+A death, processed exactly once per incarnation:
 
 1. the rank is marked dead; DeclareDead goes to every rank (survivors leave the process
    group, a dead-declared rank that still runs — SIGSTOP'd, partitioned — exits: fenced);

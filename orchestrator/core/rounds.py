@@ -1,4 +1,4 @@
-"""The broker backend's averaging round (reference C.3 "CPU", C.6): decisions only.
+"""The broker backend's averaging round: decisions only.
 
 No tensor passes through here. A round, version ``v`` (= the round counter):
 
@@ -155,7 +155,7 @@ def _update(s: State, rd: BrokerRound, *, realized: bool, out: Out, digest: str 
 
 def fold_plans(s: State, plans: list[m.RankPlan]) -> Out:
     """Under sync and cadence every rank waits for the Update: the next window's plan (one
-    per rank) rides in it instead of in a message of its own (reference: atomic dispatch).
+    per rank) rides in it instead of in a message of its own (flodl's atomic dispatch).
     Returns the StartEpochs for the plans that cannot ride (async, no round settling, a
     rank outside the round, a second plan)."""
     rd = s.broker_round

@@ -300,7 +300,7 @@ class Rendezvous:
 
 @dataclass(slots=True)
 class BrokerRound:
-    """A broker-path average in flight (reference C.3, CPU path): RequestParams went out;
+    """A broker-path average in flight: RequestParams went out;
     snapshots arrive (``ready``) until every alive member's is in or the deadline passes;
     then the reducer runs (``reducing``: no more snapshots are taken) over the ``ready``
     ones, which are the round's accepted contributions; its Reduced becomes

@@ -3,7 +3,7 @@
 A *window* is the stretch between two averages. When it opens, every alive rank gets a
 ``target`` (the steps that satisfy the gate) and a ``budget`` (the steps it may take; larger
 than the target only under async, by the lookahead), broadcast in SetGlobalStep, plus the
-plans (StartEpoch) to train. The gate (reference C.2, newest semantics) fires when the
+plans (StartEpoch) to train. The gate fires when the
 previous average is acknowledged by every alive rank, every alive rank reached its target
 (booked from its Batch reports), and at least one rank moved. Then:
 SyncNow, El Che and the guard are updated inline (so the next window opens without waiting
@@ -233,7 +233,7 @@ def maybe_average(s: State, now: float, out: Out) -> None:
 
 def sync(s: State, now: float, out: Out) -> None:
     """Broadcast SyncNow (or, on the broker backend, RequestParams) and finalise the
-    window inline (reference C.3)."""
+    window inline."""
     alive = s.alive
     s.rounds += 1
     if s.broker:
@@ -447,7 +447,7 @@ def _dispatch_partitions(s: State, pool: Pool, now: float) -> list[m.RankPlan]:
 
 def _lookahead(s: State, r: RankState, now: float, out: Out) -> None:
     """Async only: a rank that finished its plans before the window closes may run ahead,
-    up to its budget (bounded overshoot, reference C.5)."""
+    up to its budget (bounded overshoot)."""
     if s.phase is not Phase.TRAINING or not r.alive or r.in_flight() > 0:
         return
     room = r.budget - r.steps

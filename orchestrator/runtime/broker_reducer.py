@@ -16,9 +16,10 @@ retries). Objects:
 - ``v<V>.consensus``: the same names, divided once: parameters by the summed mass of the
   accepted contributions, buffers by their count.
 
-The Object Store was chosen over raw frames on data subjects (see the issue note and
-``bench/averaging.py``): chunks are acknowledged and digest-checked, so a contribution is
-either whole or refused, a slow consumer can never drop part of one, and a reducer that
+The Object Store was chosen over raw frames on data subjects (measured by
+``bench/averaging.py``, docs/performance.md): chunks are acknowledged and digest-checked,
+so a contribution is either whole or refused, a slow consumer can never drop part of one,
+and a reducer that
 restarts (coordinator fail-over) reads the same contributions again. Each contribution's
 SHA-256 digest also travels in its signed SnapshotReady and is compared here, so an
 object replaced on the broker is refused.

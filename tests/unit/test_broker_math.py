@@ -1,5 +1,5 @@
 """The broker backend's numbers: worker snapshot -> reducer -> worker apply, against the
-mass-weighted mean computed directly (reference C.3: sum and divisor from exactly the same
+mass-weighted mean computed directly (sum and divisor from exactly the same
 contributions, divided once; idle ranks have mass 0 for any gamma)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The broker backend's round in the pure core, with a fake clock (reference C.3 CPU, C.6)."""
+"""The broker backend's round in the pure core, with a fake clock."""
 
 from __future__ import annotations
 

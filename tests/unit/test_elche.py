@@ -1,4 +1,4 @@
-"""El Che, the batch-count balancer (reference C.1.2, behaviours I.6-I.10), driven directly."""
+"""El Che, the batch-count balancer, driven directly."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""El Che's anchor growth and the guard verdict seam (reference C.1.2, behaviours I.8, I.9)."""
+"""El Che's anchor growth and the guard verdict seam."""
 
 from __future__ import annotations
 
