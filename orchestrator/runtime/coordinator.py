@@ -47,8 +47,7 @@ from ddpbus.codecs import DecodeError, Decoder, Encoder, Outbound, convert
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
-from ddpbus.orchestrator.core import bundle_meta as bundle_resume
-from ddpbus.orchestrator.core import rounds
+from ddpbus.orchestrator.core import bundle_meta, rounds
 from ddpbus.orchestrator.core.config import describe
 from ddpbus.orchestrator.core.gc_policy import Collector
 from ddpbus.orchestrator.core.state import (
@@ -474,7 +473,7 @@ class Coordinator:
         sched = self.config.schedule
         bundles.check_fits(manifest, seed=sched.seed, batch_size=sched.batch_size,
                            epochs=sched.epochs)
-        point = bundle_resume.point(manifest.describe(), manifest.version, manifest.meta)
+        point = bundle_meta.point(manifest.describe(), manifest.version, manifest.meta)
         self.config = dataclasses.replace(self.config, resume=point)
         await kv.put(sj.RESUME_BUNDLE_KEY, manifest.to_json())
         log.warning("job %s resumes from %s", self.settings.job, manifest.describe())

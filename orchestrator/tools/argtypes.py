@@ -39,32 +39,30 @@ def port(text: str) -> int:
     return value
 
 
-def seconds(text: str) -> float:
-    value = _number(text, float, "a number of seconds")
-    if not 0 < value < INF:
-        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
+def _finite(text: str, what: str, low: float, *, closed: bool, rule: str) -> float:
+    """A finite float above ``low`` (or at it, ``closed``); NaN and infinity are refused."""
+    value = float(_number(text, float, what))
+    if not ((value >= low if closed else value > low) and value < INF):
+        raise argparse.ArgumentTypeError(f"{text} {rule}")
     return value
+
+
+def seconds(text: str) -> float:
+    return _finite(text, "a number of seconds", 0.0, closed=False,
+                   rule="must be a positive number of seconds")
 
 
 def nonneg_seconds(text: str) -> float:
-    value = _number(text, float, "a number of seconds")
-    if not 0 <= value < INF:
-        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds >= 0")
-    return value
+    return _finite(text, "a number of seconds", 0.0, closed=True,
+                   rule="must be a number of seconds >= 0")
 
 
 def positive_float(text: str) -> float:
-    value = _number(text, float, "a number")
-    if not 0 < value < INF:
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
-    return value
+    return _finite(text, "a number", 0.0, closed=False, rule="must be a finite number > 0")
 
 
 def slowdown(text: str) -> float:
-    value = _number(text, float, "a number")
-    if not 1.0 <= value < INF:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1 (how many times slower)")
-    return value
+    return _finite(text, "a number", 1.0, closed=True, rule="must be >= 1 (how many times slower)")
 
 
 def byte_limit(text: str) -> int:
