@@ -588,7 +588,7 @@ class Publisher:
                 self._acked.set()
         finally:
             checker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, PublishFailed):
                 await checker
             for _, fut, _ in self._inflight:
                 fut.cancel()  # no one waits for these acks: their slots go back
@@ -734,6 +734,9 @@ class Publisher:
                     self._on_failed(failed)
                 except Exception:
                     log.exception("the publisher's on_failed callback raised")
+            # nothing after a message given up may be stored (it would land out of order):
+            # the ack checker ends here, so no retry loop outlives the owner's shutdown
+            raise failed from exc
 
     async def failure(self) -> PublishFailed:
         """Wait until a message is given up (not stored after the retry deadline) and

@@ -132,6 +132,13 @@ async def test_a_message_given_up_is_reported_at_once(nc: Client) -> None:
         assert "nowhere.x" in str(failed)
         assert publisher.failed is failed
         assert not await publisher.flush(5)
+        # and no retry loop is left behind: the ack checker ended with the give-up, so the
+        # publisher stops at once when its owner cancels it (a rank once hung at exit on a
+        # checker still retrying after its cancel)
+        await asyncio.sleep(0)
+        assert not [t for t in asyncio.all_tasks() if t.get_name() == "publisher-acks"]
+        task.cancel()
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 2)
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
