@@ -35,12 +35,12 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from ddpbus.codecs import DecodeError, Decoder, Encoder
+from ddpbus.codecs import DecodeError, Decoder, Encoder, Outbound
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import ConfigError, DdpbusError
 from ddpbus.orchestrator.persist import bundles
-from ddpbus.orchestrator.runtime.tasks import Watch
+from ddpbus.orchestrator.runtime.endpoint import Endpoint
 from ddpbus.orchestrator.transport import bus
 from ddpbus.orchestrator.transport.auth import Access
 from ddpbus.worker_agent import checkpoint
@@ -117,14 +117,14 @@ class WorkerAgent:
         self._floor = 0  # coordinator generation fence, from Accept
         self.dropped_before_accept = 0
         self.resume_seq = 0  # this rank's consumer had acked this far: a restart
-        self._bus_down = False
         self.reader: bus.StreamReader | None = None
         self._bundles: list[concurrent.futures.Future[None]] = []  # bundle writes in flight
         self._bundle_lock: asyncio.Lock | None = None  # one at a time, in version order
         self._rounds: ObjectStore | None = None  # the broker backend's round bucket
-        self._tasks: list[asyncio.Task[Any]] = []
-        # its tasks: the first to die of an unexpected exception ends the rank
-        self.watch = Watch(f"rank {self.rank}", self._failing)
+        # its connection's shell and its tasks: the first task to die of an unexpected
+        # exception ends the rank
+        self.link = Endpoint(f"rank {self.rank}", self._failing)
+        self.watch = self.link.watch
 
     # ------------------------------------------------------------------ entry
 
@@ -177,12 +177,13 @@ class WorkerAgent:
         # a report it gives up on (not stored after its retry deadline) is a gap the
         # coordinator never hears of: the rank ends, and restarted it rejoins
         self.nc, self.js = nc, js
-        self.publisher = bus.Publisher(js, on_failed=lambda exc: self.watch.fail("publisher", exc))
+        self.publisher = self.link.publisher = bus.Publisher(
+            js, on_failed=lambda exc: self.watch.fail("publisher", exc))
         self._admitted = self.loop.create_future()
         self._done = self.loop.create_future()
         reader = bus.StreamReader(nc, sj.stream_name(s.job), sj.rank_consumer(s.rank),
                                   self._on_control)
-        self.reader = reader
+        self.reader = self.link.reader = reader
         live = await nc.subscribe(sj.LIVE_COORDINATOR.subject(s.job), cb=self._on_live)
         for c, n in ((self.publisher.run(), "publisher"), (reader.run(), "control-reader")):
             self._spawn(c, n)
@@ -193,24 +194,20 @@ class WorkerAgent:
         finally:
             self.watch.closing = True
             await live.unsubscribe()
-            for t in self._tasks:
-                t.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self.link.stop()
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        """One of the agent's tasks under watch (:mod:`ddpbus.orchestrator.runtime.tasks`): one that
-        dies of an unexpected exception ends the rank, rather than leave it beaconing while
+        """One of the agent's tasks under watch (:mod:`ddpbus.orchestrator.runtime.endpoint`):
+        one that dies of an unexpected exception ends the rank, rather than leave it beaconing while
         nobody reads its control messages or publishes its reports (the coordinator would
         never time it out, and its share of the work would wait forever)."""
-        task = self.watch.spawn(coro, name)
-        self._tasks.append(task)
-        return task
+        return self.link.spawn(coro, name)
 
     def _failing(self, name: str, exc: BaseException) -> None:
         log.error("rank %d: task %s failed: %s: %s; ending this rank (restarted, it "
                   "rejoins)", self.rank, name, type(exc).__name__, exc, exc_info=exc)
         reason = f"task {name} failed: {type(exc).__name__}: {exc}"
-        for t in self._tasks:  # silent at once: the coordinator declares it dead
+        for t in list(self.link.tasks):  # silent at once: the coordinator declares it dead
             if t.get_name() == "heartbeat":
                 t.cancel()
         if self._admitted is not None and not self._admitted.done():
@@ -549,42 +546,34 @@ class WorkerAgent:
             self._last_coordinator = time.monotonic()
 
     async def _beacon(self) -> None:
-        while True:
-            await self._heartbeat()
-            await asyncio.sleep(self.settings.heartbeat_interval.total_seconds())
+        await self.link.beacon(self.nc, self._heartbeat_message,
+                               every=self.settings.heartbeat_interval.total_seconds())
 
-    async def _heartbeat(self) -> None:
+    def _heartbeat_message(self) -> Outbound:
         s = self.settings
-        out = self.encoder.encode(sj.LIVE_RANK.subject(s.job, s.rank),
-                                  m.Heartbeat(rank=s.rank, step_count=self.trainer.step,
-                                              rejections=dict(self.rejected)))
-        with contextlib.suppress(Exception):
-            await bus.publish_core(self.nc, out)
+        return self.encoder.encode(sj.LIVE_RANK.subject(s.job, s.rank),
+                                   m.Heartbeat(rank=s.rank, step_count=self.trainer.step,
+                                               rejections=dict(self.rejected)))
 
     async def _bus_lost(self) -> None:
-        if getattr(self, "publisher", None) is not None:
-            self.publisher.disconnected()
-        if not self._bus_down:
-            self._bus_down = True
+        if self.link.lost():
             log.warning("rank %d: lost the NATS connection; training on, reconnecting",
                         self.rank)
 
     async def _bus_back(self) -> None:
-        self._bus_down = False
-        # the coordinator could not be heard either: its deadline starts again now
+        # the coordinator could not be heard either: its deadline starts again now (before
+        # the reader re-attaches, so a watchdog check meanwhile finds a fresh deadline)
         self._last_coordinator = time.monotonic()
-        if getattr(self, "publisher", None) is not None:
-            self.publisher.reconnected()
-        if self.reader is not None:
-            await self.reader.reconnected()
+        await self.link.back()
         if self._admitted is not None and self._admitted.done() and self.watch.failure is None:
-            await self._heartbeat()  # at once: the coordinator forgave silence until now
+            # at once: the coordinator forgave silence until now
+            await self.link.announce(self.nc, self._heartbeat_message())
 
     async def _watch_coordinator(self) -> None:
         limit = self._coordinator_timeout
         while True:
             await asyncio.sleep(min(1.0, limit / 4))
-            if self._bus_down:
+            if self.link.down:
                 continue  # nobody can be heard without a connection: not the coordinator's fault
             silent = time.monotonic() - self._last_coordinator
             if silent > limit:

@@ -71,6 +71,7 @@ from ddpbus.orchestrator.core.transition import initial_state, resume, transitio
 from ddpbus.orchestrator.persist import bundles, journal, snapshot
 from ddpbus.orchestrator.persist.lease import Lease, LeaseLost
 from ddpbus.orchestrator.runtime import broker_reducer
+from ddpbus.orchestrator.runtime.endpoint import Endpoint
 from ddpbus.orchestrator.runtime.metrics import CoordinatorMetrics
 from ddpbus.orchestrator.runtime.provision import (
     JobStorage,
@@ -79,7 +80,6 @@ from ddpbus.orchestrator.runtime.provision import (
     retire_consumers,
 )
 from ddpbus.orchestrator.runtime.retention import Compactor, Retention
-from ddpbus.orchestrator.runtime.tasks import Watch
 from ddpbus.orchestrator.transport import bus
 from ddpbus.orchestrator.transport.auth import Access
 
@@ -151,13 +151,13 @@ class Coordinator:
         self.rank_rejected: dict[int, dict[str, int]] = {}
         self.finish: asyncio.Future[Finish] | None = None
         self._events_file: IO[str] | None = None
-        self._bus_down_since: float | None = None  # wall clock when the connection dropped
         self._snapshot_rev: int | None = None  # KV revision of the last snapshot written
         self._loaded = b""  # the snapshot taken over, as stored (re-written to fence)
         self._replayed = (0, 0)  # journal segments and events replayed on it
-        self._background: set[asyncio.Task[Any]] = set()
-        # its tasks: the first to die of an unexpected exception ends the coordinator
-        self.watch = Watch("coordinator", self._failing)
+        # its connection's shell and its tasks: the first task to die of an unexpected
+        # exception ends the coordinator (wall clock: how long the bus was away is an input)
+        self.link = Endpoint("coordinator", self._failing, clock=self.clock)
+        self.watch = self.link.watch
         self.metrics: CoordinatorMetrics | None = None  # with --metrics-port
         self._pending: int | None = None  # the coordinator consumer's backlog, last read
         # milliseconds, the newest LATENCY_SAMPLES of each (bounded for weeks-long runs):
@@ -232,7 +232,8 @@ class Coordinator:
         self.decoder = Decoder(job=s.job, key=s.key, generation_floor=self._rank_floor)
         # a message it gives up on (not stored after its retry deadline) leaves a gap in
         # what the ranks were told: end here, a successor re-publishes from the snapshot
-        self.nc, self.publisher = nc, bus.Publisher(
+        self.nc = nc
+        self.publisher = self.link.publisher = bus.Publisher(
             js, on_failed=lambda exc: self.watch.fail("publisher", exc))
         self.journal = journal.Writer(js, s.job, s.key, every=s.snapshot_every)
         self.reducer = broker_reducer.Reducer(js, s.job, nc.max_payload)
@@ -359,7 +360,7 @@ class Coordinator:
         self.finish = loop.create_future()
         reader = bus.StreamReader(nc, sj.stream_name(s.job), sj.COORDINATOR_CONSUMER,
                                   self._on_stream, entitled=self._may_read)
-        self.reader = reader
+        self.reader = self.link.reader = reader
         live = await nc.subscribe(sj.LIVE_RANK.wildcard(s.job), cb=self._on_live)
         tasks = [self._spawn(c, n) for c, n in (
             (self.publisher.run(), "publisher"), (reader.run(), "stream-reader"),
@@ -684,9 +685,9 @@ class Coordinator:
     # ------------------------------------------------------------ supervision
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        """A task under watch (:mod:`ddpbus.orchestrator.runtime.tasks`): one that dies of an
-        unexpected exception ends the coordinator (``_serve`` returns, ``_abandon``)."""
-        return self.watch.spawn(coro, name)
+        """A task under watch (:mod:`ddpbus.orchestrator.runtime.endpoint`): one that dies of
+        an unexpected exception ends the coordinator (``_serve`` returns, ``_abandon``)."""
+        return self.link.spawn(coro, name)
 
     def _failing(self, name: str, exc: BaseException) -> None:
         log.error("coordinator task %s failed: %s: %s; exiting, the lease released (a "
@@ -698,11 +699,7 @@ class Coordinator:
         reduce, an input being applied), then give the lease up so a standby or a restart
         takes over at once, from the last write-ahead record (everything published is
         covered by one; what was decided and not stored is decided again from the stream)."""
-        background = list(self._background)
-        for t in background:
-            t.cancel()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.gather(*background, return_exceptions=True), 5.0)
+        await self.link.stop(5.0)  # (_serve stopped its own: what is left is background)
         await self.lease.release()
         return EXIT_FAILED
 
@@ -738,9 +735,7 @@ class Coordinator:
         async def reduce() -> None:
             result = await self.reducer.run(cmd)
             await self.apply(result)
-        task = self._spawn(reduce(), f"reduce-{cmd.version}")
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._spawn(reduce(), f"reduce-{cmd.version}")
 
     def _record(self, c: Record) -> None:
         if c.event in ROUND_OVER:
@@ -833,7 +828,7 @@ class Coordinator:
             await self._take_beats()
             if self.collector.overdue():
                 self.collector.collect()
-            if self._bus_down_since is None:  # without a connection, silence proves nothing
+            if not self.link.down:  # without a connection, silence proves nothing
                 await self.apply(Tick())
             if self.metrics is not None:
                 self.metrics.refresh(self.state, batch_size=self.config.schedule.batch_size,
@@ -852,33 +847,19 @@ class Coordinator:
             await asyncio.sleep(2.0)
 
     async def _bus_lost(self) -> None:
-        if getattr(self, "publisher", None) is not None:
-            self.publisher.disconnected()
-        if self._bus_down_since is None:
-            self._bus_down_since = self.clock()
+        if self.link.lost():
             log.warning("lost the NATS connection: no liveness judgement until it is back")
 
     async def _bus_back(self) -> None:
-        since, self._bus_down_since = self._bus_down_since, None
-        away = self.clock() - since if since is not None else 0.0
-        if getattr(self, "publisher", None) is not None:
-            self.publisher.reconnected()
-        if getattr(self, "reader", None) is not None:
-            await self.reader.reconnected()
+        away = await self.link.back()
         if self.finish is not None and not self.finish.done():
             # off the client's callback: apply may wait for the lock and the store
-            task = self._spawn(self.apply(BusRestored(away)), "bus-restored")
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._spawn(self.apply(BusRestored(away)), "bus-restored")
 
     async def _beacon(self) -> None:
-        out = None
         subject = sj.LIVE_COORDINATOR.subject(self.settings.job)
-        while True:
-            out = self.encoder.encode(subject, m.CoordHeartbeat())
-            with contextlib.suppress(Exception):
-                await bus.publish_core(self.nc, out)
-            await asyncio.sleep(1.0)
+        await self.link.beacon(self.nc, lambda: self.encoder.encode(subject, m.CoordHeartbeat()),
+                               every=1.0)
 
     def _signal(self, signum: int) -> None:
         name = signal.Signals(signum).name

@@ -52,7 +52,7 @@ class Start:
             rank=0, device=torch.device("cpu"), store_factory=dist.HashStore, out_dir=out),
             lambda _msg, _durable: None)
         self.initial = _weights(agent.trainer.model)
-        agent.generation, agent.resume_seq, agent._tasks = 1, resume_seq, []
+        agent.generation, agent.resume_seq = 1, resume_seq
 
         async def nothing(*_args: Any) -> None:
             return None
@@ -74,7 +74,7 @@ class Start:
         try:
             return await self.agent._lifecycle(self.agent.trainer, torch.device("cpu"))
         finally:
-            await asyncio.gather(*self.agent._tasks)
+            await asyncio.gather(*self.agent.link.tasks)
 
     @property
     def weights(self) -> dict[str, torch.Tensor]:
