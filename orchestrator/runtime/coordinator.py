@@ -30,18 +30,17 @@ import os
 import signal
 import socket
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any, Final
 
-import numpy
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import NotFoundError
 
 from ddpbus.codecs import DecodeError, Decoder, Encoder, Outbound, convert
 from ddpbus.codecs import messages as m
@@ -70,8 +69,10 @@ from ddpbus.orchestrator.core.summary import summarize
 from ddpbus.orchestrator.core.transition import initial_state, resume, transition
 from ddpbus.orchestrator.persist import bundles, journal, snapshot
 from ddpbus.orchestrator.persist.lease import Lease, LeaseLost
+from ddpbus.orchestrator.persist.write_ahead import JobInUse, WriteAhead
 from ddpbus.orchestrator.runtime import broker_reducer
 from ddpbus.orchestrator.runtime.endpoint import Endpoint
+from ddpbus.orchestrator.runtime.latency import Latency
 from ddpbus.orchestrator.runtime.metrics import CoordinatorMetrics
 from ddpbus.orchestrator.runtime.provision import (
     JobStorage,
@@ -87,10 +88,6 @@ log = logging.getLogger(__name__)
 events_log = logging.getLogger("ddpbus.orchestrator.events")
 
 TICK_S = 0.1
-
-
-class JobInUse(DdpbusError, RuntimeError):
-    """The job's stream already holds another coordinator's progress."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,7 +112,6 @@ class CoordinatorSettings:
 
 EXIT_FAILED = 1  # the run ended not ok, or a task of this coordinator failed
 EXIT_DEPOSED = 3
-LATENCY_SAMPLES = 200_000
 SYNC_NOW: Final = convert.BY_CLASS[m.SyncNow].type_name  # its Ddpbus-Type header
 # the records that close an average (every rank answered it, or its broker round ended):
 # the quiet moment for a full snapshot and a full collection. The ranks train the window
@@ -123,15 +119,6 @@ SYNC_NOW: Final = convert.BY_CLASS[m.SyncNow].type_name  # its Ddpbus-Type heade
 # SyncAcks that follow a SyncNow are in (blocking the loop among them would delay their
 # reading, and with it the reduce time El Che weighs the averaging by)
 ROUND_OVER: Final = frozenset({"averaged", "update"})
-
-
-def percentiles(samples: deque[float]) -> dict[str, float | int]:
-    """count, p50, p99 and max of ``samples`` (milliseconds), rounded to microseconds."""
-    if not samples:
-        return {"count": 0}
-    p50, p99, top = numpy.percentile(numpy.fromiter(samples, float), [50, 99, 100])
-    return {"count": len(samples), "p50": round(float(p50), 3),
-            "p99": round(float(p99), 3), "max": round(float(top), 3)}
 
 
 class Coordinator:
@@ -142,7 +129,6 @@ class Coordinator:
         self.clock = time.time
         self.state = initial_state(config, self.clock())
         self.covered_seq = 0  # stream sequence of the last input applied
-        self.snapshots = 0
         self.resumed_from: int | None = None
         self._lock = asyncio.Lock()
         self.rejected: Counter[str] = Counter()
@@ -151,23 +137,13 @@ class Coordinator:
         self.rank_rejected: dict[int, dict[str, int]] = {}
         self.finish: asyncio.Future[Finish] | None = None
         self._events_file: IO[str] | None = None
-        self._snapshot_rev: int | None = None  # KV revision of the last snapshot written
-        self._loaded = b""  # the snapshot taken over, as stored (re-written to fence)
-        self._replayed = (0, 0)  # journal segments and events replayed on it
         # its connection's shell and its tasks: the first task to die of an unexpected
         # exception ends the coordinator (wall clock: how long the bus was away is an input)
         self.link = Endpoint("coordinator", self._failing, clock=self.clock)
         self.watch = self.link.watch
         self.metrics: CoordinatorMetrics | None = None  # with --metrics-port
         self._pending: int | None = None  # the coordinator consumer's backlog, last read
-        # milliseconds, the newest LATENCY_SAMPLES of each (bounded for weeks-long runs):
-        # intake = a stream message's store time (the broker's clock) to its handling;
-        # decision = the same start to the publish of the commands it led to
-        self.intake_ms: deque[float] = deque(maxlen=LATENCY_SAMPLES)
-        self.decision_ms: deque[float] = deque(maxlen=LATENCY_SAMPLES)
-        # the same, for inputs decided while training (not the admission burst at the start,
-        # when every rank's Hello waits behind the coordinator's own start)
-        self.training_decision_ms: deque[float] = deque(maxlen=LATENCY_SAMPLES)
+        self.latency = Latency()
         self.started_at = time.time()
         self._replay_to: int | None = None  # the stream's last sequence at a takeover
         # group commit: commands decided but not yet covered by a stored snapshot, in
@@ -235,7 +211,6 @@ class Coordinator:
         self.nc = nc
         self.publisher = self.link.publisher = bus.Publisher(
             js, on_failed=lambda exc: self.watch.fail("publisher", exc))
-        self.journal = journal.Writer(js, s.job, s.key, every=s.snapshot_every)
         self.reducer = broker_reducer.Reducer(js, s.job, nc.max_payload)
         info = await js.stream_info(sj.stream_name(s.job))
         self.compactor = Compactor(nc, s.job, s.retention, lambda: self.state.members,
@@ -266,18 +241,14 @@ class Coordinator:
         summary = summarize(self.state) | {"decode_rejections": dict(self.rejected),
                                            "rank_rejections": {str(r): dict(c) for r, c in
                                                                self.rank_rejected.items()},
-                                           "snapshots": self.snapshots,
-                                           "journal_segments": self.journal.written,
+                                           "snapshots": self.wal.snapshots,
+                                           "journal_segments": self.wal.journal.written,
                                            "retention": self.compactor.report(),
                                            "collector": self.collector.report(),
                                            "resumed_from_seq": self.resumed_from,
                                            "replay_s": self.replay_s,
                                            "messages_handled": self.reader.delivered,
-                                           "intake_latency_ms": percentiles(self.intake_ms),
-                                           "decision_latency_ms":
-                                               percentiles(self.decision_ms),
-                                           "training_decision_latency_ms":
-                                               percentiles(self.training_decision_ms)}
+                                           **self.latency.report()}
         await bus.retry_while_away(lambda: kv.put(sj.SUMMARY_KEY, json.dumps(summary).encode()))
         # every rank has exited (or is dead): their consumers are no longer needed, and a
         # rank started from now on finds the summary above instead of its consumer
@@ -318,6 +289,8 @@ class Coordinator:
         """Hold the lease, draw a generation, and load the predecessor's snapshot."""
         s = self.settings
         self.kv, self.js = kv, js
+        self.wal = WriteAhead(js, kv, s.job, s.key, world_size=self.config.world_size,
+                              every=s.snapshot_every)
         self.lease = Lease(kv, f"{socket.gethostname()}:{os.getpid()}", ttl=s.lease_ttl)
         try:
             await self.lease.take(wait=s.standby, on_wait=lambda h: log.info(
@@ -330,9 +303,12 @@ class Coordinator:
         if s.events_path is not None:
             s.events_path.parent.mkdir(parents=True, exist_ok=True)
             self._events_file = s.events_path.open("a", encoding="utf-8")
-        snap = await self._load_snapshot(js, kv)
+        snap = await self.wal.load()
         if snap is not None:
-            snap = await self._fence(kv, snap)
+            snap = await self.wal.fence(snap)
+            if self.wal.replayed[0]:
+                log.info("replaying %d journal segments (%d events) after the snapshot",
+                         *self.wal.replayed)
         if snap is None:
             await self._start_afresh(js)
             if s.resume is not None:
@@ -414,59 +390,6 @@ class Coordinator:
 
     # ---------------------------------------------------------------- resuming
 
-    async def _load_snapshot(self, js: Any, kv: Any) -> snapshot.Snapshot | None:
-        """The predecessor's snapshot, or None for a job nothing was decided in yet (a
-        fresh one, or one whose predecessor read messages that led to no command: see
-        ``_start_afresh``). A snapshot that cannot be used cannot be resumed from."""
-        try:
-            entry = await kv.get(sj.SNAPSHOT_KEY)
-            data = entry.value or b""
-            self._snapshot_rev = entry.revision
-        except KeyNotFoundError:
-            data = b""
-        if not data:
-            return None
-        try:
-            snap = snapshot.decode(data, self.settings.key)
-        except snapshot.SnapshotError as exc:
-            raise JobInUse(f"job {self.settings.job!r}: cannot resume: {exc}") from None
-        self._loaded = data
-        if snap.state.config.world_size != self.config.world_size:
-            raise JobInUse(f"job {self.settings.job!r} runs with world size "
-                           f"{snap.state.config.world_size}, not {self.config.world_size}")
-        return snap
-
-    async def _fence(self, kv: Any, snap: snapshot.Snapshot) -> snapshot.Snapshot:
-        """Re-write the loaded snapshot (compare-and-set), so the predecessor, should it
-        still run, can store nothing more (no snapshot, no journal segment: both expect
-        the revision it wrote); then extend it by the journal segments it had stored,
-        which can no longer grow."""
-        for _ in range(10):
-            try:
-                self._snapshot_rev = await bus.retry_while_away(
-                    lambda: self._store(self._loaded))
-                break
-            except KeyWrongLastSequenceError:  # it stored another one since: load that
-                again = await self._load_snapshot(self.js, kv)
-                if again is None:
-                    raise JobInUse(f"job {self.settings.job!r}: its snapshot vanished "
-                                   "while taking over") from None
-                snap = again
-        else:
-            raise JobInUse(f"job {self.settings.job!r}: another coordinator keeps writing "
-                           "its snapshot; is its lease broken?")
-        try:
-            segments = await journal.read(kv, snap.journal, self.settings.key)
-        except snapshot.SnapshotError as exc:
-            raise JobInUse(f"job {self.settings.job!r}: cannot resume: {exc}") from None
-        self._replayed = (len(segments), sum(len(x.events) for x in segments))
-        if segments:
-            log.info("replaying %d journal segments (%d events) after the snapshot",
-                     *self._replayed)
-        # (the journal's messages passed every fence when first applied: no floors here)
-        return journal.extend(snap, segments, Decoder(job=self.settings.job,
-                                                      key=self.settings.key))
-
     async def _adopt_bundle(self, js: Any, kv: Any, source: str) -> None:
         """``--resume``: check the bundle against this run, seed the core from its meta, and
         publish it under ``bundle.resume`` for the ranks to load."""
@@ -496,7 +419,7 @@ class Coordinator:
             "generation": self.config.coordinator_generation,
             "from_generation": snap.coordinator_generation, "stream_seq": snap.stream_seq,
             "phase": state.phase.value, "outbox": len(snap.outbox),
-            "journal_segments": self._replayed[0], "journal_events": self._replayed[1],
+            "journal_segments": self.wal.replayed[0], "journal_events": self.wal.replayed[1],
             "away_s": round(now - snap.saved_at, 3)}))
 
     async def _start_afresh(self, js: Any) -> None:
@@ -529,24 +452,17 @@ class Coordinator:
         await js.add_consumer(stream, config)
 
     async def _snapshot(self, new: list[Outbound]) -> bool:
-        """Store the write-ahead snapshot (retried while the broker is away); False when a
-        newer coordinator has written one since ours: this one is deposed."""
+        """Store the write-ahead snapshot: the state with every command not yet stored on
+        the stream; False when deposed."""
         generation = self.config.coordinator_generation
-        base = f"{generation}.{self.snapshots}"  # its journal segments' keys
         snap = snapshot.Snapshot(state=self.state, stream_seq=self.covered_seq,
                                  outbox=[*self.publisher.unstored(), *new],
                                  coordinator_generation=generation, saved_at=self.clock(),
-                                 journal=base)
-        data = await snapshot.encode_in_thread(snap, self.settings.key)  # (state read first)
-        try:
-            self._snapshot_rev = await bus.retry_while_away(lambda: self._store(data))
-        except KeyWrongLastSequenceError:
-            log.error("another coordinator wrote the snapshot since this one did: deposed")  # noqa: TRY400
+                                 journal=self.wal.next_base(generation))
+        if not await self.wal.snapshot(snap, time.monotonic()):
             self.lease.lost.set()
             return False
-        self.snapshots += 1
         self.compactor.stored(snap.stream_seq)
-        await self.journal.rebased(base, time.monotonic())
         return True
 
     async def _append(self, events: list[tuple[Event | journal.Wire, float]],
@@ -556,27 +472,11 @@ class Coordinator:
         seg = journal.Segment(events=events, stream_seq=self.covered_seq, outbox=new,
                               coordinator_generation=self.config.coordinator_generation,
                               saved_at=self.clock())
-        try:
-            await self.journal.append(seg, self._snapshot_rev or 0, bus.retry_while_away)
-        except journal.Deposed as exc:
-            log.error("%s: deposed", exc)  # noqa: TRY400
+        if not await self.wal.append(seg):
             self.lease.lost.set()
             return False
         self.compactor.stored(seg.stream_seq)  # the events are in the journal now
         return True
-
-    async def _store(self, data: bytes) -> int:
-        """One compare-and-set write of the snapshot key against our last revision."""
-        key = sj.SNAPSHOT_KEY
-        if self._snapshot_rev is None:
-            return int(await self.kv.put(key, data))
-        try:
-            return int(await self.kv.update(key, data, last=self._snapshot_rev))
-        except KeyWrongLastSequenceError:
-            entry = await self.kv.get(key)
-            if entry.value == data and entry.revision is not None:
-                return int(entry.revision)  # ours: stored before the broker went, ack lost
-            raise
 
     def _rank_floor(self, sender: str) -> int:
         rank = sj.sender_rank(sender)
@@ -604,7 +504,7 @@ class Coordinator:
             self._applied.append((wire or event, now))
             if len(self._applied) > journal.MAX_EVENTS:  # long without any write
                 self._applied.clear()
-                self.journal.force_full()
+                self.wal.journal.force_full()
             elif len(self._applied) == journal.FLUSH_EVENTS:
                 self._commit_wanted.set()  # a segment of them, ahead of the next command
             if seq is not None:
@@ -637,7 +537,7 @@ class Coordinator:
             while True:
                 if self._round_over:  # a quiet moment
                     self._round_over = False
-                    rebase = rebase or self.journal.wanted(time.monotonic())
+                    rebase = rebase or self.wal.journal.wanted(time.monotonic())
                     if self.collector.quiet_due():
                         self.collector.collect()
                 if not (self._decided or rebase
@@ -649,7 +549,7 @@ class Coordinator:
                 self._decided, self._decided_at, self._applied = [], [], []
                 # the events since the last write, or a full snapshot (no await before
                 # either encodes: the state is exactly the deciding one)
-                if rebase or self.journal.full_due(time.monotonic(), len(events)):
+                if rebase or self.wal.journal.full_due(time.monotonic(), len(events)):
                     stored = await self._snapshot(batch)
                 else:
                     stored = await self._append(events, batch)
@@ -662,10 +562,7 @@ class Coordinator:
                 kinds = {out.headers.get(sj.H_TYPE) for out in batch}
                 if SYNC_NOW in kinds:
                     self._sync_published_at = now
-                for t, training in started:
-                    self.decision_ms.append((now - t) * 1000.0)
-                    if training:
-                        self.training_decision_ms.append((now - t) * 1000.0)
+                self.latency.published(started, now)
             self._committed.set()
 
     async def _drain(self, committer: asyncio.Task[None]) -> None:
@@ -768,7 +665,7 @@ class Coordinator:
     async def _on_stream(self, msg: Msg) -> None:
         stored_at = self.reader.handled_at  # this message's (the reader read it off)
         if stored_at is not None:
-            self.intake_ms.append((time.time() - stored_at) * 1000.0)
+            self.latency.took_in(stored_at, time.time())
         body, msg_id = self._decode(msg)
         seq = self.reader.handled_seq
         if self.metrics is not None and isinstance(body, m.Batch | m.Reports):

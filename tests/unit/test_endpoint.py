@@ -86,7 +86,8 @@ async def test_a_task_that_dies_is_the_owners_failure_and_stop_ends_the_rest() -
     assert [(n, str(e)) for n, e in failures] == [("publisher", "boom")]
     assert link.tasks == {forever}  # a task that ended leaves the set
     await link.stop(5.0)
-    assert forever.cancelled() and not link.tasks
+    assert forever.cancelled()
+    assert not link.tasks
     assert len(failures) == 1  # what the cancel raised is no failure
 
 
@@ -109,5 +110,6 @@ async def test_the_beacon_encodes_each_message_afresh_and_survives_a_failed_send
                         "heartbeat")
     await asyncio.wait_for(three.wait(), 5)
     await link.stop(5.0)
-    assert sent[:3] == [0, 1, 2] and beacon.cancelled()
+    assert sent[:3] == [0, 1, 2]
+    assert beacon.cancelled()
     assert not link.watch.failed.is_set()
