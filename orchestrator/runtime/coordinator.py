@@ -30,7 +30,6 @@ import os
 import signal
 import socket
 import time
-from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from datetime import timedelta
@@ -42,7 +41,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from ddpbus.codecs import DecodeError, Decoder, Encoder, Outbound, convert
+from ddpbus.codecs import Decoder, Encoder, Outbound, convert
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
@@ -72,6 +71,7 @@ from ddpbus.orchestrator.persist.lease import Lease, LeaseLost
 from ddpbus.orchestrator.persist.write_ahead import JobInUse, WriteAhead
 from ddpbus.orchestrator.runtime import broker_reducer
 from ddpbus.orchestrator.runtime.endpoint import Endpoint
+from ddpbus.orchestrator.runtime.intake import Intake
 from ddpbus.orchestrator.runtime.latency import Latency
 from ddpbus.orchestrator.runtime.metrics import CoordinatorMetrics
 from ddpbus.orchestrator.runtime.provision import (
@@ -131,10 +131,6 @@ class Coordinator:
         self.covered_seq = 0  # stream sequence of the last input applied
         self.resumed_from: int | None = None
         self._lock = asyncio.Lock()
-        self.rejected: Counter[str] = Counter()
-        self._warned: set[str] = set()  # refusal reasons this process warned about
-        # what each rank's current incarnation refused, by reason (from its heartbeats)
-        self.rank_rejected: dict[int, dict[str, int]] = {}
         self.finish: asyncio.Future[Finish] | None = None
         self._events_file: IO[str] | None = None
         # its connection's shell and its tasks: the first task to die of an unexpected
@@ -161,8 +157,7 @@ class Coordinator:
         # reduce_ms starts at the decision, before the write-ahead snapshot)
         self._sync_published_at: float | None = None
         self.replay_s: float | None = None  # lease taken to caught up with the stream
-        self._beats: list[Msg] = []  # heartbeats since the last tick, applied at the next
-        # full passes of the cycle collector, at quiet moments (see collector.py)
+        # full passes of the cycle collector, at quiet moments (see core/gc_policy.py)
         self.collector = Collector()
         self._round_over = False  # an average is over: a quiet moment (ROUND_OVER)
 
@@ -205,7 +200,8 @@ class Coordinator:
         self.encoder = Encoder(job=s.job, key=s.key, sender=sj.COORDINATOR,
                                generation=generation, wire_json=s.wire_json)
         # a rank's older incarnation is fenced: below the generation admitted last
-        self.decoder = Decoder(job=s.job, key=s.key, generation_floor=self._rank_floor)
+        self.intake = Intake(Decoder(job=s.job, key=s.key, generation_floor=self._rank_floor),
+                             self.config.world_size)
         # a message it gives up on (not stored after its retry deadline) leaves a gap in
         # what the ranks were told: end here, a successor re-publishes from the snapshot
         self.nc = nc
@@ -238,9 +234,9 @@ class Coordinator:
         # the last inputs (the ranks' Exiting) led to no command, so no snapshot yet holds
         # the end: store it, for `ddpbus status` and for a coordinator started again
         await self._snapshot([])
-        summary = summarize(self.state) | {"decode_rejections": dict(self.rejected),
+        summary = summarize(self.state) | {"decode_rejections": dict(self.intake.rejected),
                                            "rank_rejections": {str(r): dict(c) for r, c in
-                                                               self.rank_rejected.items()},
+                                                               self.intake.rank_rejected.items()},
                                            "snapshots": self.wal.snapshots,
                                            "journal_segments": self.wal.journal.written,
                                            "retention": self.compactor.report(),
@@ -614,13 +610,7 @@ class Coordinator:
             elif isinstance(c, Record):
                 self._record(c)
             elif isinstance(c, Refuse):
-                if c.reason not in self._warned:  # a thousand ranks may earn the same one
-                    self._warned.add(c.reason)
-                    log.warning("refused (%s): %s; further %s refusals are logged at debug "
-                                "level (all counted: metrics, summary)", c.reason, c.detail,
-                                c.reason)
-                else:
-                    log.debug("refused (%s): %s", c.reason, c.detail)
+                self.intake.refused(c)
             elif isinstance(c, Finish) and self.finish is not None and not self.finish.done():
                 self.finish.set_result(c)
             elif isinstance(c, Reduce):
@@ -650,23 +640,11 @@ class Coordinator:
             self._events_file.write(line + "\n")
             self._events_file.flush()
 
-    def _decode(self, msg: Msg) -> tuple[m.Message | None, str]:
-        """The message and its ``Nats-Msg-Id``; None for one refused by the codec."""
-        try:
-            env = self.decoder.decode(msg.subject, msg.headers, msg.data)
-        except DecodeError as exc:
-            self.rejected[exc.reason] += 1
-            if self.rejected[exc.reason] == 1:
-                log.warning("dropped a message (%s); further %s drops are counted only", exc,
-                            exc.reason)
-            return None, ""
-        return env.message, env.msg_id  # type: ignore[return-value]
-
     async def _on_stream(self, msg: Msg) -> None:
         stored_at = self.reader.handled_at  # this message's (the reader read it off)
         if stored_at is not None:
             self.latency.took_in(stored_at, time.time())
-        body, msg_id = self._decode(msg)
+        body, msg_id = self.intake.decode(msg)
         seq = self.reader.handled_seq
         if self.metrics is not None and isinstance(body, m.Batch | m.Reports):
             latest = m.batches(body)
@@ -701,23 +679,13 @@ class Coordinator:
         return False
 
     async def _on_live(self, msg: Msg) -> None:
-        # liveness, not a decision: the beats are decoded and applied together at the next
-        # tick (a thousand ranks beating once a second interleave no work with a burst of
-        # reports that closes a window; a rank is timed out only by a tick, after its beats)
-        self._beats.append(msg)
+        self.intake.beat(msg)  # liveness, not a decision: applied at the next tick
 
     async def _take_beats(self) -> None:
-        beats, self._beats = self._beats, []
-        for msg in beats:
-            body, _ = self._decode(msg)  # core NATS, out of stream order: not deduplicated
-            if not isinstance(body, m.Heartbeat):
-                continue
-            if body.rank < self.config.world_size:
-                self.rank_rejected[body.rank] = dict(body.rejections)
-                if self.metrics is not None:
-                    self.metrics.on_rank_rejections(body.rank, body.rejections)
-            await self.apply(Timing(body),
-                             wire=journal.Wire(msg.subject, msg.headers or {}, msg.data, False))
+        for body, wire in self.intake.beats():
+            if self.metrics is not None and body.rank < self.config.world_size:
+                self.metrics.on_rank_rejections(body.rank, body.rejections)
+            await self.apply(Timing(body), wire=wire)
 
     async def _ticker(self) -> None:
         while True:
@@ -730,7 +698,7 @@ class Coordinator:
             if self.metrics is not None:
                 self.metrics.refresh(self.state, batch_size=self.config.schedule.batch_size,
                                      pending=self._pending)
-                self.metrics.on_rejections(self.rejected + self.state.refusals)
+                self.metrics.on_rejections(self.intake.rejected + self.state.refusals)
                 self.metrics.on_retention(self.compactor.report())
 
     async def _watch_lag(self, nc: Client) -> None:

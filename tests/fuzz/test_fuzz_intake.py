@@ -41,6 +41,7 @@ from ddpbus.codecs import subjects as sj
 from ddpbus.orchestrator.core.state import Command, Reduce, Reduced, Refuse, State, Tick
 from ddpbus.orchestrator.persist import snapshot
 from ddpbus.orchestrator.runtime.coordinator import Coordinator, CoordinatorSettings
+from ddpbus.orchestrator.runtime.intake import Intake as ServiceIntake
 
 B = fc.BUDGET
 SIG = b"\x11" * m.MODEL_SIGNATURE_BYTES  # the simulated ranks' model signature
@@ -76,7 +77,9 @@ class Intake(Coordinator):
         self.clock = lambda: self.now
         self.encoder = Encoder(job=fc.JOB, key=fc.KEY, sender=sj.COORDINATOR,
                                generation=state.config.coordinator_generation)
-        self.decoder = Decoder(job=fc.JOB, key=fc.KEY, generation_floor=self._rank_floor)
+        self.intake = ServiceIntake(Decoder(job=fc.JOB, key=fc.KEY,
+                                            generation_floor=self._rank_floor),
+                                    state.config.world_size)
         self.lease = _Lease()  # type: ignore[assignment]
         self.published: list[Outbound] = []
         self.publisher = SimpleNamespace(submit=self.published.append,  # type: ignore[assignment]
@@ -84,6 +87,10 @@ class Intake(Coordinator):
         self.reader = SimpleNamespace(handled_seq=0, handled_at=None)  # type: ignore[assignment]
         self.decided: list[list[Command]] = []
         self.reduces: list[Reduce] = []
+
+    @property
+    def rejected(self) -> Counter[str]:
+        return self.intake.rejected
 
     def _carry_out(self, commands: list[Any]) -> list[Outbound]:
         self.decided.append(commands)
@@ -229,7 +236,7 @@ async def _feed(intake: Intake, rng: random.Random, mutator: Mutator, count: int
 @pytest.fixture
 def quiet_service(caplog: pytest.LogCaptureFixture) -> None:
     # every core refusal is a warning line: keep the captured log small over 100k messages
-    caplog.set_level(logging.ERROR, logger="ddpbus.orchestrator.runtime.coordinator")
+    caplog.set_level(logging.ERROR, logger="ddpbus.orchestrator.runtime")
 
 
 @pytest.mark.usefixtures("quiet_service")
@@ -309,7 +316,7 @@ def test_a_refusal_is_warned_once_per_reason_and_every_one_counted(
     intake = Intake(fuzz_states.fresh("done"), now=1000.0)
     before = Counter(intake.state.refusals)
     rng = random.Random("refusals")
-    with caplog.at_level(logging.DEBUG, logger="ddpbus.orchestrator.runtime.coordinator"):
+    with caplog.at_level(logging.DEBUG, logger="ddpbus.orchestrator.runtime"):
         for _ in range(30):
             asyncio.run(intake.deliver(realistic(rng, intake.state)))
     made = Counter(intake.state.refusals) - before
