@@ -1,16 +1,23 @@
 """The ``ddpbus`` command line.
 
 Settings come from flags, then ``DDPBUS_*`` environment variables, then defaults; an
-unknown ``DDPBUS_*`` variable or a bad value is refused before anything starts (exit 2).
+unknown ``DDPBUS_*`` variable or a bad value is refused before anything starts (exit 2),
+with the closest known name suggested. Kubernetes gives every pod service-link variables
+for each Service in its namespace (``<NAME>_SERVICE_HOST``, ``<NAME>_PORT_9090_TCP``...),
+unless the pod sets ``enableServiceLinks: false``: a Service named ``ddpbus-...`` would
+name some ``DDPBUS_*``. Those are ignored (:func:`service_link`), unless the name is one
+letter or two away from a setting of ours: then it is a typo, and refused.
 This is the only module that reads ``os.environ``.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import faulthandler
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -25,6 +32,39 @@ log = logging.getLogger("ddpbus.cli")
 ENV_VARS: dict[str, dict[str, str]] = {c.NAME: c.ENV for c in commands.ALL}
 GLOBAL_ENV = {"DDPBUS_LOG_LEVEL"}
 RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {c.NAME: c.run for c in commands.ALL}
+# the variables Kubernetes derives from a Service's name (upper case, "-" as "_"):
+# NAME_SERVICE_HOST, NAME_SERVICE_PORT[_PORTNAME], NAME_PORT, NAME_PORT_<n>_<PROTO>[_PROTO|
+# _PORT|_ADDR] (kubernetes/pkg/kubelet/envvars)
+SERVICE_LINK = re.compile(r"[A-Z0-9_]+_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT"
+                          r"|PORT_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?)")
+SERVICE_LINK_VALUE = re.compile(r"(tcp|udp|sctp)://[^\s/]+:\d+")  # NAME_PORT's value
+
+
+def edits(a: str, b: str) -> int:
+    """Edits (insert, delete, substitute, swap two neighbours) from ``a`` to ``b``."""
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        row = [i]
+        for j, cb in enumerate(b, 1):
+            cost = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                cost = min(cost, prev2[j - 2] + 1)
+            row.append(cost)
+        prev2, prev = prev, row
+    return prev[-1]
+
+
+def service_link(name: str, known: set[str]) -> bool:
+    """A variable shaped like a Kubernetes service link and not a typo of a setting (one
+    edit away from one: DDPBUS_METRIC_PORT is a typo, DDPBUS_PORT a Service "ddpbus")."""
+    return (SERVICE_LINK.fullmatch(name) is not None
+            and all(edits(name, k) > 1 for k in known))
+
+
+def _unknown(name: str, known: set[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f"{name} (did you mean {close[0]}?)" if close else name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,10 +99,21 @@ def merge_env(parser: argparse.ArgumentParser, args: argparse.Namespace,
               environ: Mapping[str, str]) -> argparse.Namespace:
     """Fill unset flags from ``DDPBUS_*`` variables; refuse unknown ones."""
     known = GLOBAL_ENV | {v for table in ENV_VARS.values() for v in table.values()}
-    unknown = sorted(k for k in environ if k.startswith("DDPBUS_") and k not in known)
+    unknown = sorted(k for k in environ if k.startswith("DDPBUS_") and k not in known
+                     and not service_link(k, known))
     if unknown:
-        parser.error(f"unknown environment variable(s) {', '.join(unknown)}; "
+        named = ", ".join(_unknown(k, known) for k in unknown)
+        parser.error(f"unknown environment variable(s) {named}; "
                      f"known: {', '.join(sorted(known))}")
+    # a setting's own name given a service link's value: a Service named after it (one
+    # called "ddpbus-metrics" sets DDPBUS_METRICS_PORT=tcp://10.0.0.7:9090); not ours
+    linked = sorted(k for k in known & environ.keys()
+                    if SERVICE_LINK_VALUE.fullmatch(environ[k]) and SERVICE_LINK.fullmatch(k))
+    if linked:
+        print(f"ddpbus: ignoring {', '.join(linked)}: Kubernetes service links (a Service "
+              "named like the setting; set enableServiceLinks: false on the pod)",
+              file=sys.stderr)
+        environ = {k: v for k, v in environ.items() if k not in linked}
     if args.log_level is None:
         # `ddpbus run` shows its own progress and table; its processes log to files
         quiet = "WARNING" if args.command == "run" else "INFO"

@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from kube_env import service_links
 
-from ddpbus.orchestrator.tools.cli import ENV_VARS, build_parser, merge_env
+from ddpbus.orchestrator.tools.cli import ENV_VARS, build_parser, edits, merge_env
 from ddpbus.orchestrator.transport import auth
 
 
@@ -138,3 +139,55 @@ def test_every_variable_belongs_to_a_flag_of_its_command() -> None:
     for command, table in ENV_VARS.items():
         dests = {a.dest for a in subcommands[command]._actions}
         assert set(table) <= dests, (command, set(table) - dests)
+
+
+# the Services a namespace may hold: ddpbus's own under the release names people use, and
+# other teams' named after a setting of ours
+SERVICES = [(f"{release}-{part}", [{"name": "client", "port": 4222},
+                                   {"name": "monitor", "port": 8222}])
+            for release in ("ddpbus", "ddpbus-exp1", "t", "ddpbus-ddpbus")
+            for part in ("nats", "coordinator", "worker")] + [
+    ("ddpbus", [{"name": "http", "port": 80}]),
+    ("ddpbus-metrics", [{"name": "metrics", "port": 9090}]),
+    ("ddpbus-broker", [{"port": 4222, "protocol": "TCP"}])]
+
+
+@pytest.mark.parametrize("command", [["coordinator"], ["worker"], ["status"],
+                                     ["run", "spec.py:spec"], ["broker"]])
+def test_kubernetes_service_links_are_ignored(capsys: pytest.CaptureFixture[str],
+                                              command: list[str]) -> None:
+    env: dict[str, str] = {}
+    for i, (name, ports) in enumerate(SERVICES):
+        env |= service_links(name, f"10.96.0.{i + 1}", ports)
+    assert "DDPBUS_METRICS_PORT" in env  # a setting's own name, from another team's Service
+    assert "DDPBUS_BROKER_PORT" in env
+    parser = build_parser()
+    args = merge_env(parser, parser.parse_args(command), env | {"DDPBUS_JOB": "j"})
+    for dest in ("metrics_port", "port"):  # a link's tcp://IP:PORT is no setting's value
+        assert getattr(args, dest, None) is None
+    if command[0] in ("coordinator", "worker", "status"):
+        assert args.job == "j"  # the settings themselves still arrive
+    err = capsys.readouterr().err
+    assert "ignoring DDPBUS_BROKER_PORT, DDPBUS_METRICS_PORT: Kubernetes service links" in err
+
+
+@pytest.mark.parametrize(("typo", "meant"), [
+    ("DDPBUS_METRIC_PORT", "DDPBUS_METRICS_PORT"),  # shaped like a link, one edit away
+    ("DDPBUS_BROKER_MONITR_PORT", "DDPBUS_BROKER_MONITOR_PORT"),
+    ("DDPBUS_JBO", "DDPBUS_JOB"),  # not shaped like one
+    ("DDPBUS_WORLDSIZE", "DDPBUS_WORLD_SIZE"),
+])
+def test_a_typo_of_a_setting_is_refused_with_the_closest_name(
+        capsys: pytest.CaptureFixture[str], typo: str, meant: str) -> None:
+    parser = build_parser()
+    with pytest.raises(SystemExit) as exc:
+        merge_env(parser, parser.parse_args(["coordinator"]), {typo: "9464"})
+    assert exc.value.code == 2
+    assert f"{typo} (did you mean {meant}?)" in capsys.readouterr().err
+
+
+def test_edit_distance() -> None:
+    assert edits("DDPBUS_JOB", "DDPBUS_JOB") == 0
+    assert edits("DDPBUS_JBO", "DDPBUS_JOB") == 1  # a swap is one edit
+    assert edits("kitten", "sitting") == 3
+    assert edits("", "abc") == 3
