@@ -121,7 +121,10 @@ def undisturbed_accuracy(tmp: Path) -> float:
 def accuracy_bound(accuracy: float, baseline: float, context: str = "") -> None:
     """A recovered run's accuracy: at least 95 %, or within 1 pp of the undisturbed run.
     ``DDPTEST_ACCURACY_LOG=<file>`` appends each (test, accuracy, baseline) as a JSON line,
-    for the spread behind this bound (see the module doc)."""
+    for the spread behind this bound. Measured over one `make chaos-full` with random
+    seeds (46 recovered runs, every scenario; undisturbed 0.9805 / 0.9861): 0.9749 / 0.9861
+    / 0.9944 (min / median / max), the worst 0.0249 above its bound
+    (bench/results/chaos-accuracy-20261207T124500Z.json)."""
     log = os.environ.get("DDPTEST_ACCURACY_LOG")
     if log:
         with open(log, "a", encoding="utf-8") as f:
