@@ -67,7 +67,7 @@ from ddpbus.orchestrator.core.state import (
 from ddpbus.orchestrator.core.summary import summarize
 from ddpbus.orchestrator.core.transition import initial_state, resume, transition
 from ddpbus.orchestrator.persist import bundles, journal, snapshot
-from ddpbus.orchestrator.persist.lease import Lease, LeaseLost
+from ddpbus.orchestrator.persist.lease import Holder, Lease, LeaseLost
 from ddpbus.orchestrator.persist.write_ahead import JobInUse, WriteAhead
 from ddpbus.orchestrator.runtime import broker_reducer
 from ddpbus.orchestrator.runtime.endpoint import Endpoint
@@ -112,6 +112,7 @@ class CoordinatorSettings:
 
 EXIT_FAILED = 1  # the run ended not ok, or a task of this coordinator failed
 EXIT_DEPOSED = 3
+EXIT_FINISHED = 4  # the job had already run to its end: nothing was trained
 SYNC_NOW: Final = convert.BY_CLASS[m.SyncNow].type_name  # its Ddpbus-Type header
 # the records that close an average (every rank answered it, or its broker round ended):
 # the quiet moment for a full snapshot and a full collection. The ranks train the window
@@ -160,6 +161,7 @@ class Coordinator:
         # full passes of the cycle collector, at quiet moments (see core/gc_policy.py)
         self.collector = Collector()
         self._round_over = False  # an average is over: a quiet moment (ROUND_OVER)
+        self._waited = False  # waited for the lease (a standby)
 
     async def run(self) -> int:
         s = self.settings
@@ -181,21 +183,25 @@ class Coordinator:
         s = self.settings
         js = nc.jetstream()
         if await bus.run_is_over(js, s.job):
-            # (a pod restarted after the end: provision nothing, to retire it again)
-            log.info("job %s already ran to its end (its summary is stored); nothing to "
-                     "resume", s.job)
+            # a reinstall on the same store, or a restart after the end: never exit 0
+            # having trained nothing (provision nothing, so there is nothing to retire)
+            self._finished_already(" (its summary is stored)")
             await self._retire_consumers(js)  # any an interrupted end left behind
-            return 0
+            return EXIT_FINISHED
         await ensure_job(js, s.job, self.config.world_size,
                          JobStorage(max_bytes=s.stream_max_bytes))
         kv = await js.key_value(sj.kv_bucket(s.job))
         snap = await self._take_over(js, kv)
         if snap is not None and snap.state.phase is Phase.DONE:
-            # ended, but its summary was not stored (the broker went at the very end)
-            log.info("job %s already ran to its end; nothing to resume", s.job)
             await self._retire_consumers(js)  # (ensure_job above made them again)
             await self.lease.release()
-            return 0
+            if self._waited:  # a standby: the leader ended the run while it waited
+                log.info("job %s ran to its end under another coordinator; this standby "
+                         "is done", s.job)
+                return 0
+            # ended, but its summary was not stored (the broker went at the very end)
+            self._finished_already("")
+            return EXIT_FINISHED
         generation = self.config.coordinator_generation
         self.encoder = Encoder(job=s.job, key=s.key, sender=sj.COORDINATOR,
                                generation=generation, wire_json=s.wire_json)
@@ -259,6 +265,12 @@ class Coordinator:
         await self.lease.release()
         return 0 if done.ok and stored else 1
 
+    def _finished_already(self, how: str) -> None:
+        job = self.settings.job
+        log.error("job %s already ran to its end%s: nothing to train. To train again, "
+                  "name a new job (helm: --set job=NAME, or a new release name), or delete "
+                  "this one first: ddpbus delete-job --job %s", job, how, job)
+
     async def _retire_consumers(self, js: Any) -> None:
         """The run is over: delete the job's durable consumers (provision.retire_consumers).
         Best effort: a coordinator started again on the finished job retires them then."""
@@ -289,8 +301,7 @@ class Coordinator:
                               every=s.snapshot_every)
         self.lease = Lease(kv, f"{socket.gethostname()}:{os.getpid()}", ttl=s.lease_ttl)
         try:
-            await self.lease.take(wait=s.standby, on_wait=lambda h: log.info(
-                "waiting for the coordinator lease held by %s", h.holder if h else "?"))
+            await self.lease.take(wait=s.standby, on_wait=self._waiting)
         except LeaseLost as exc:
             raise JobInUse(f"job {s.job!r}: {exc}; pass --standby to wait for it") from None
         self.started_at = time.time()  # the lease is ours: snapshot load + replay from here
@@ -323,6 +334,11 @@ class Coordinator:
             else:  # the snapshot covers the stream: caught up already
                 self._caught_up(snap.stream_seq)
         return snap
+
+    def _waiting(self, holder: Holder | None) -> None:
+        self._waited = True  # a standby: the run went on (and may end) meanwhile
+        log.info("waiting for the coordinator lease held by %s",
+                 holder.holder if holder else "?")
 
     async def _serve(self, nc: Client) -> tuple[Finish, bool] | None:
         """Run until the core says Finish (None when deposed first)."""

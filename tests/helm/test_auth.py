@@ -11,7 +11,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chart import PERMISSIONS, by_kind, container, env, permissions_json, render, worker_sets
+from chart import (
+    PERMISSIONS,
+    by_kind,
+    container,
+    coordinator_job,
+    env,
+    permissions_json,
+    pod_spec,
+    render,
+    worker_jobs,
+)
 from test_chart import VALUE_SETS
 
 from ddpbus.orchestrator.transport import auth
@@ -106,16 +116,14 @@ def secrets_used(pod: dict[str, Any]) -> set[str]:
 def test_each_pod_holds_only_its_own_login(helm: Path, name: str) -> None:
     sets = VALUE_SETS[name]
     docs = render(helm, sets)
-    workers = len(worker_sets(docs))
+    workers = len(worker_jobs(docs))
     enabled = "auth.enabled=false" not in sets
     prefix = next((s.split("=", 1)[1] for s in sets
                    if s.startswith("auth.existing.secretPrefix=")), "train-ddpbus-nats")
     logins = {f"{prefix}-{i}": i for i in auth.identities(workers)}
     seen = set()
     for doc in docs:
-        pod = (doc["spec"] if doc["kind"] == "Pod" else
-               doc["spec"]["template"]["spec"] if doc["kind"] in ("Deployment", "StatefulSet")
-               else None)
+        pod = pod_spec(doc)
         if pod is None:
             continue
         own = identity_of(doc)
@@ -149,7 +157,7 @@ def test_auth_off_renders_no_logins(helm: Path) -> None:
     assert "include" not in conf["nats.conf"]
     assert not [d for d in by_kind(docs, "Secret") if "ddpbus.io/identity" in
                 d["metadata"]["labels"]]
-    for sts in worker_sets(docs):
+    for sts in worker_jobs(docs):
         assert not {k for k in env(container(sts)) if k.startswith("DDPBUS_NATS_")} - {
             "DDPBUS_NATS_URL"}
         assert "annotations" not in sts["spec"]["template"]["metadata"]
@@ -202,7 +210,7 @@ def test_tls_reaches_the_server_and_every_client(helm: Path, extra: list[str], v
     for probe in ("readinessProbe", "livenessProbe"):  # plain HTTP on the monitor port
         assert c[probe]["httpGet"]["port"] == "monitor"
     auth_on = "auth.enabled=false" not in extra
-    clients = [*worker_sets(docs), *[d for d in by_kind(docs, "Deployment")],
+    clients = [*worker_jobs(docs), coordinator_job(docs),
                *by_kind(docs, "Pod")]
     for doc in clients:
         pod = doc["spec"] if doc["kind"] == "Pod" else doc["spec"]["template"]["spec"]
@@ -225,7 +233,7 @@ def test_an_existing_server_gets_only_the_client_side(helm: Path) -> None:
     docs = render(helm, ["nats.bundled=false", "nats.url=nats://nats.infra:4222",
                          "auth.existing.secretPrefix=login", *TLS])
     assert not [d for d in docs if d["metadata"]["name"].startswith("train-ddpbus-nats")]
-    [coord] = by_kind(docs, "Deployment")
+    coord = coordinator_job(docs)
     e, sources = client_tls(coord["spec"]["template"]["spec"])
     assert e == {"DDPBUS_NATS_TLS_CA": "/etc/ddpbus/nats/ca.crt"}
     assert sources == [{"name": "login-coordinator", "items": [{"key": "password",
@@ -238,7 +246,7 @@ def test_a_login_change_rolls_its_own_pods_and_the_server(helm: Path) -> None:
     and the server one of its config (new logins restart NATS; JetStream is on the PVC);
     without randomness the digests are stable."""
     docs = render(helm, ["training.workers=2"])
-    pods = [*worker_sets(docs), *by_kind(docs, "Deployment")]
+    pods = [*worker_jobs(docs), coordinator_job(docs)]
     for doc in pods:
         identity = identity_of(doc)
         digest = hashlib.sha256(secret(docs, f"train-ddpbus-nats-{identity}")["bcrypt"]

@@ -10,7 +10,17 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from chart import CHART, by_kind, container, env, render, run, worker_sets
+from chart import (
+    CHART,
+    by_kind,
+    container,
+    coordinator_job,
+    env,
+    pod_spec,
+    render,
+    run,
+    worker_jobs,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S_VERSIONS = ("1.30", "1.35")
@@ -71,25 +81,29 @@ def test_lint_render_and_validate(helm: Path, name: str) -> None:
             kubernetes_validate.validate(doc, version, strict=True)
     want = int(next((s.split("=")[1] for s in sets if s.startswith("training.workers=")),
                     "2"))
-    workers = worker_sets(docs)
+    workers = worker_jobs(docs)
     assert [d["metadata"]["name"] for d in workers] == [f"train-ddpbus-worker-{r}"
                                                          for r in range(want)]
     gpu = "worker.gpu.enabled=false" not in sets
-    for rank, sts in enumerate(workers):  # one StatefulSet per rank (its own login)
-        assert sts["spec"]["replicas"] == 1
-        assert sts["spec"]["serviceName"] == "train-ddpbus-worker"
-        assert sts["spec"]["selector"]["matchLabels"]["ddpbus.io/rank"] == str(rank)
-        w = container(sts)
+    for rank, job in enumerate(workers):  # one Job per rank (its own login)
+        assert (job["spec"]["completions"], job["spec"]["parallelism"]) == (1, 1)
+        assert job["metadata"]["labels"]["ddpbus.io/rank"] == str(rank)
+        finite(job, "worker")
+        w = container(job)
         assert env(w)["DDPBUS_WORLD_SIZE"] == str(want)
         assert env(w)["DDPBUS_RANK"] == str(rank)
         assert ("nvidia.com/gpu" in w["resources"]["limits"]) is gpu
         assert env(w)["DDPBUS_DEVICE"] == ("cuda" if gpu else "cpu")
     [pdb] = by_kind(docs, "PodDisruptionBudget")
-    assert pdb["spec"] == {"maxUnavailable": 0, "selector": {"matchLabels": {
-        "app.kubernetes.io/name": "ddpbus", "app.kubernetes.io/instance": "train",
-        "app.kubernetes.io/component": "worker"}}}
+    assert pdb["spec"] == {"maxUnavailable": 1, "unhealthyPodEvictionPolicy": "AlwaysAllow",
+                           "selector": {"matchLabels": {
+                               "app.kubernetes.io/name": "ddpbus",
+                               "app.kubernetes.io/instance": "train",
+                               "app.kubernetes.io/component": "worker"}}}
     w = container(workers[0])
-    [coord] = [d for d in by_kind(docs, "Deployment") if "coordinator" in d["metadata"]["name"]]
+    coord = coordinator_job(docs)
+    finite(coord, "coordinator")
+    assert "completions" not in coord["spec"]  # done once one succeeded and all ended
     c = container(coord)
     assert c["command"] == ["ddpbus"]
     assert c["args"][:2] == ["coordinator", "--standby"]
@@ -100,7 +114,7 @@ def test_lint_render_and_validate(helm: Path, name: str) -> None:
     json_wire = "training.wireJson=true" in sets
     assert ("--wire-json" in c["args"]) is json_wire
     assert ("--wire-json" in w["args"]) is json_wire
-    assert coord["spec"]["replicas"] == (2 if "coordinator.replicas=2" in sets else 1)
+    assert coord["spec"]["parallelism"] == (2 if "coordinator.replicas=2" in sets else 1)
     bundled = "nats.bundled=false" not in sets
     url = env(c)["DDPBUS_NATS_URL"]
     if "nats.urlSecret.name=nats-url" in sets:
@@ -124,11 +138,22 @@ SECRET_WORDS = ("KEY", "PASSWORD", "CREDS", "NKEY", "TOKEN", "SEED")
 
 
 def _pods(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    if doc["kind"] == "Pod":
-        return [doc["spec"]]
-    if doc["kind"] in ("Deployment", "StatefulSet"):
-        return [doc["spec"]["template"]["spec"]]
-    return []
+    spec = pod_spec(doc)
+    return [] if spec is None else [spec]
+
+
+def finite(job: dict[str, Any], container_name: str) -> None:
+    """A Job whose pods are never restarted in place: a failed one is replaced (up to the
+    backoff limit), a drain costs no retry, and a bad setting (2) or an ended job (4)
+    fails it at once."""
+    spec = job["spec"]
+    assert spec["template"]["spec"]["restartPolicy"] == "Never"
+    assert spec["backoffLimit"] == 6
+    assert spec["podFailurePolicy"]["rules"] == [
+        {"action": "FailJob", "onExitCodes": {"containerName": container_name,
+                                              "operator": "In", "values": [2, 4]}},
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget",
+                                                    "status": "True"}]}]
 
 
 @pytest.mark.parametrize(("sets", "message"), [
@@ -172,8 +197,7 @@ def test_bad_values_are_refused(helm: Path, sets: list[str], message: str) -> No
 ])
 def test_stream_max_bytes_null_sets_nothing_and_minus_one_unlimited(
         helm: Path, sets: list[str], flag: str | None) -> None:
-    [coord] = [d for d in by_kind(render(helm, sets), "Deployment")
-               if "coordinator" in d["metadata"]["name"]]
+    coord = coordinator_job(render(helm, sets))
     given = [a for a in container(coord)["args"] if a.startswith("--stream-max-bytes")]
     assert given == ([flag] if flag else [])
 

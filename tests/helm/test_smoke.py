@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chart import by_kind, render, worker_sets
+from chart import by_kind, coordinator_job, render, worker_jobs
 
 from ddpbus.orchestrator.runtime.nats_server import BrokerConfig, EmbeddedBroker
 from ddpbus.orchestrator.transport import auth
@@ -129,6 +129,8 @@ def server_config(secrets: Secrets, folder: Path) -> Path:
                   "jetstream {\n  store_dir: /data/jetstream\n}\n"):
         assert fixed in text, f"the rendered nats.conf changed: {text}"
         text = text.replace(fixed, "")
+    assert "pid_file: /var/run/nats/nats.pid\n" in text  # the preStop's lame duck signal
+    text = text.replace("/var/run/nats/", f"{folder}/")
     for key, data in secrets["server-tls"].items():
         (folder / key).write_bytes(data)
     (folder / "nats.conf").write_text(text.replace("/etc/nats-tls", str(folder)))
@@ -169,14 +171,14 @@ def test_an_existing_server_with_nkey_secrets(helm: Path, tmp_path: Path) -> Non
 
 def run_rendered(docs: list[dict[str, Any]], url: str, secrets: Secrets,
                  tmp_path: Path) -> None:
-    [coord] = [d for d in by_kind(docs, "Deployment") if "coordinator" in d["metadata"]["name"]]
+    coord = coordinator_job(docs)
     [check] = by_kind(docs, "Pod")  # the helm test pod: `ddpbus status` as the observer
     base = {"train-ddpbus-nats:4222": url.split("://", 1)[1],
             "/opt/ddpbus/examples": str(ROOT / "examples")}
     clean = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
     pods = {"coordinator": coord["spec"]["template"]["spec"]}
-    pods |= {f"worker-{r}": sts["spec"]["template"]["spec"]
-             for r, sts in enumerate(worker_sets(docs))}
+    pods |= {f"worker-{r}": job["spec"]["template"]["spec"]
+             for r, job in enumerate(worker_jobs(docs))}
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
         for name, pod in pods.items():

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import KEY, Job, chaos_job, delete_job, spec, start_job
+from jobs import KEY, Job, chaos_job, delete_job, spec, start_job, wait_for
 
 from ddpbus.codecs import subjects as sj
+from ddpbus.orchestrator.runtime.coordinator import EXIT_FINISHED
 from ddpbus.orchestrator.runtime.nats_server import BrokerConfig, EmbeddedBroker
 from ddpbus.orchestrator.transport.bus import connect
 
@@ -55,25 +56,28 @@ def _after_the_end(job: Job, url: str, key_file: Path) -> None:
     assert "0 consumers; no coordinator consumer (the run is over)" in status(
         url, key_file).stdout
     # a rank started again (a pod restarted after the end) finds the summary instead of
-    # its consumer and stops at once, successfully; a coordinator started again leaves the
-    # job as it found it
+    # its consumer and stops at once, successfully; a coordinator started again (a
+    # reinstall on the same store) leaves the job as it found it and fails loudly: it
+    # trained nothing, and says how to train again
     try:
         late = job.respawn("rank-0", "rank-0-late")
         assert late.wait(60) == 0, job.log("rank-0-late")
         assert "is over (its coordinator wrote the run's summary): nothing to join" in \
             job.log("rank-0-late")
         again = job.respawn("coordinator", "coordinator-again")
-        assert again.wait(60) == 0, job.log("coordinator-again")
-        assert "already ran to its end (its summary is stored)" in job.log(
-            "coordinator-again")
+        assert again.wait(60) == EXIT_FINISHED, job.log("coordinator-again")
+        assert (f"job {job.name} already ran to its end (its summary is stored): nothing "
+                "to train. To train again, name a new job") in job.log("coordinator-again")
+        assert f"ddpbus delete-job --job {job.name}" in job.log("coordinator-again")
         # it provisioned nothing (no consumers made only to be deleted again)
         assert "deleted 0 consumers" in job.log("coordinator-again")
         # a run whose summary never got stored (the broker gone at the very end) is told
         # over by its final snapshot: what provisioning made on the way is deleted again
         asyncio.run(_forget_summary(url, job.name))
         last = job.respawn("coordinator", "coordinator-snapshot")
-        assert last.wait(60) == 0, job.log("coordinator-snapshot")
-        assert "already ran to its end; nothing to resume" in job.log("coordinator-snapshot")
+        assert last.wait(60) == EXIT_FINISHED, job.log("coordinator-snapshot")
+        assert f"job {job.name} already ran to its end: nothing to train" in job.log(
+            "coordinator-snapshot")
         assert f"deleted {job.workers + 1} consumers" in job.log("coordinator-snapshot")
     finally:
         job.kill()
@@ -86,6 +90,11 @@ def test_status_of_a_live_run_and_of_its_end(broker: EmbeddedBroker, tmp_path: P
     job, _ = chaos_job(broker.url, tmp_path, "watched", epochs=EPOCHS, slowdown=3)
     key_file = tmp_path / "job.key"
     try:
+        # a hot standby (the chart's coordinator.replicas=2) waits out the whole run, then
+        # ends with it, successfully (job.wait below wants every process to exit 0)
+        wait_for("the leader's lease", lambda: "holding the coordinator lease" in
+                 job.log("coordinator"), 60)
+        job.spawn("standby", [*job.argv["coordinator"], "--standby"])
         deadline = time.monotonic() + 120
         while True:  # until the run is training with a checkpoint behind it
             out = status(broker.url, key_file, "--json")
@@ -127,6 +136,8 @@ def test_status_of_a_live_run_and_of_its_end(broker: EmbeddedBroker, tmp_path: P
     assert end["summary"]["ok"]
     assert end["last_checkpoint"]["version"] == EPOCHS
     assert end["lease"] is None
+    assert "job watched ran to its end under another coordinator; this standby is done" \
+        in job.log("standby")
     _after_the_end(job, broker.url, key_file)
 
 

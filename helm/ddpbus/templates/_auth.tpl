@@ -93,6 +93,9 @@ authorization {{ toRawJson (dict "users" $list) }}
 port: 4222
 http_port: 8222
 max_payload: {{ .Values.nats.maxPayload }}
+pid_file: /var/run/nats/nats.pid
+lame_duck_duration: {{ .Values.nats.lameDuckDuration }}
+lame_duck_grace_period: {{ .Values.nats.lameDuckGracePeriod }}
 jetstream {
   store_dir: /data/jetstream
 }

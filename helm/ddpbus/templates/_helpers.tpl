@@ -138,3 +138,29 @@ label (a StatefulSet's name plus 11 characters must fit in 63) */}}
 {{- define "ddpbus.workerName" -}}
 {{- printf "%s-worker-%d" (include "ddpbus.fullname" .root | trunc 40 | trimSuffix "-") (int .rank) -}}
 {{- end -}}
+
+{{/* the bundled NATS image: by digest when one is given (repository@sha256:...), else the
+tag, pinned to the server version ddpbus is tested against */}}
+{{- define "ddpbus.natsImage" -}}
+{{- $i := .Values.nats.image -}}
+{{- if $i.digest -}}
+{{- printf "%s@%s" $i.repository $i.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $i.repository $i.tag -}}
+{{- end -}}
+{{- end -}}
+
+{{/* 90 % of nats.resources.limits.memory in bytes (Ki, Mi, Gi, Ti, K, M, G, T or bytes);
+empty without a memory limit */}}
+{{- define "ddpbus.goMemLimit" -}}
+{{- $limit := dig "limits" "memory" "" .Values.nats.resources | toString -}}
+{{- if $limit -}}
+{{- $units := dict "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "K" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "" 1 -}}
+{{- $number := regexFind "^[0-9]+" $limit -}}
+{{- $unit := trimPrefix $number $limit -}}
+{{- if or (not $number) (not (hasKey $units $unit)) -}}
+{{- fail (printf "nats.resources.limits.memory %q: use a whole number with Ki, Mi, Gi, Ti, K, M, G or T" $limit) -}}
+{{- end -}}
+{{- div (mul (int64 $number) (index $units $unit) 9) 10 -}}
+{{- end -}}
+{{- end -}}
