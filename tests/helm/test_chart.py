@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
+import pss
 import pytest
 import yaml
 from chart import (
@@ -17,13 +18,14 @@ from chart import (
     coordinator_job,
     env,
     pod_spec,
+    pod_specs,
     render,
     run,
     worker_jobs,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-K8S_VERSIONS = ("1.30", "1.35")
+K8S_VERSIONS = ("1.33", "1.35", "1.37")
 
 VALUE_SETS: dict[str, list[str]] = {
     "default": [],
@@ -49,6 +51,26 @@ VALUE_SETS: dict[str, list[str]] = {
                      "nats.tls.secretName=nats-tls"],
     "bundled-nats": ["nats.bundled=true", "nats.storage.size=50Gi"],
     "standby": ["coordinator.replicas=2"],
+    # what a platform team sets on a GPU cluster (the chart README's example)
+    "gpu-cluster": ["job=resnet-1", "workload.labels.kueue\\.x-k8s\\.io/queue-name=team-a",
+                    "workload.ttlSecondsAfterFinished=86400", "priorityClassName=training",
+                    "worker.priorityClassName=training-high", "schedulerName=volcano",
+                    "worker.runtimeClassName=nvidia", "podLabels.team=vision",
+                    "worker.podAnnotations.note=gpu", "worker.gpu.resourceName=amd.com/gpu",
+                    "worker.tolerations[0].key=nvidia.com/gpu",
+                    "worker.tolerations[0].operator=Exists",
+                    "nats.nodeSelector.pool=system", "nats.tolerations[0].key=system",
+                    "nats.tolerations[0].operator=Exists",
+                    "coordinator.topologySpreadConstraints[0].maxSkew=1",
+                    "coordinator.topologySpreadConstraints[0].topologyKey=zone",
+                    "coordinator.topologySpreadConstraints[0].whenUnsatisfiable=ScheduleAnyway",
+                    "worker.extraVolumes[0].name=data",
+                    "worker.extraVolumes[0].persistentVolumeClaim.claimName=imagenet",
+                    "worker.extraVolumeMounts[0].name=data",
+                    "worker.extraVolumeMounts[0].mountPath=/data",
+                    "image.pullSecrets[0].name=registry",
+                    "jobKey.existingSecret=resnet-key", "nats.image.digest=sha256:" + "a" * 64,
+                    "nats.storage.whenDeleted=Delete"],
     "one-worker": ["training.workers=1"],
     "four-workers": ["training.workers=4", "worker.ncclEnv.NCCL_SOCKET_IFNAME=eth0"],
     "eight-workers": ["training.workers=8", "worker.gpu.count=1",
@@ -92,7 +114,9 @@ def test_lint_render_and_validate(helm: Path, name: str) -> None:
         w = container(job)
         assert env(w)["DDPBUS_WORLD_SIZE"] == str(want)
         assert env(w)["DDPBUS_RANK"] == str(rank)
-        assert ("nvidia.com/gpu" in w["resources"]["limits"]) is gpu
+        gpu_name = next((x.split("=", 1)[1] for x in sets
+                         if x.startswith("worker.gpu.resourceName=")), "nvidia.com/gpu")
+        assert (gpu_name in w["resources"]["limits"]) is gpu
         assert env(w)["DDPBUS_DEVICE"] == ("cuda" if gpu else "cpu")
     [pdb] = by_kind(docs, "PodDisruptionBudget")
     assert pdb["spec"] == {"maxUnavailable": 1, "unhealthyPodEvictionPolicy": "AlwaysAllow",
@@ -125,7 +149,19 @@ def test_lint_render_and_validate(helm: Path, name: str) -> None:
         assert url == next(s.split("=", 1)[1] for s in sets if s.startswith("nats.url="))
     assert bool([d for d in by_kind(docs, "StatefulSet") if "nats" in d["metadata"]["name"]]) \
         is bundled
-    for d in docs:  # resources everywhere, never a secret in clear
+    _every_pod_is_safe(docs, sets)
+
+
+def _every_pod_is_safe(docs: list[dict[str, Any]], sets: list[str]) -> None:
+    """Restricted, no service links, no API token, the pull secrets, requests, and never
+    a secret in clear."""
+    pulls = [{"name": "registry"}] if "image.pullSecrets[0].name=registry" in sets else None
+    for d, pod in pod_specs(docs):
+        assert pss.violations(pod) == [], d["metadata"]["name"]
+        assert pod["enableServiceLinks"] is False
+        assert pod["automountServiceAccountToken"] is False
+        assert pod.get("imagePullSecrets") == pulls, d["metadata"]["name"]
+    for d in docs:
         for pod in _pods(d):
             for k in pod["containers"]:
                 assert k["resources"]["requests"], f"{d['kind']} {k['name']} has no requests"
@@ -135,6 +171,78 @@ def test_lint_render_and_validate(helm: Path, name: str) -> None:
 
 
 SECRET_WORDS = ("KEY", "PASSWORD", "CREDS", "NKEY", "TOKEN", "SEED")
+
+
+def test_a_gpu_clusters_settings_reach_their_pods(helm: Path) -> None:
+    docs = render(helm, VALUE_SETS["gpu-cluster"])
+    jobs = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d
+            for d in by_kind(docs, "Job")}
+    for job in by_kind(docs, "Job"):  # Kueue reads the Job's label
+        assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+        assert job["spec"]["ttlSecondsAfterFinished"] == 86400
+    [nats] = by_kind(docs, "StatefulSet")
+    pods = {"coordinator": pod_spec(jobs["coordinator"]), "worker": pod_spec(jobs["worker"]),
+            "nats": pod_spec(nats), "test": pod_spec(by_kind(docs, "Pod")[0])}
+    assert {k: p["priorityClassName"] for k, p in pods.items()} == {  # type: ignore[index]
+        "coordinator": "training", "worker": "training-high", "nats": "training",
+        "test": "training"}
+    assert {p["schedulerName"] for p in pods.values()} == {"volcano"}  # type: ignore[index]
+    assert pods["worker"]["runtimeClassName"] == "nvidia"  # type: ignore[index]
+    assert "runtimeClassName" not in pods["coordinator"]  # type: ignore[operator]
+    w = worker_jobs(docs)[0]["spec"]["template"]
+    assert w["metadata"]["labels"]["team"] == "vision"
+    assert w["metadata"]["annotations"]["note"] == "gpu"
+    assert w["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
+    c = w["spec"]["containers"][0]
+    assert c["resources"]["limits"]["amd.com/gpu"] == 1
+    assert "nvidia.com/gpu" not in c["resources"]["limits"]
+    assert {"name": "data", "persistentVolumeClaim": {"claimName": "imagenet"}} in \
+        w["spec"]["volumes"]
+    assert {"name": "data", "mountPath": "/data"} in c["volumeMounts"]
+    assert pods["nats"]["nodeSelector"] == {"pool": "system"}  # type: ignore[index]
+    assert pods["coordinator"]["topologySpreadConstraints"][0]["topologyKey"] == "zone"  # type: ignore[index]
+    assert nats["spec"]["template"]["spec"]["containers"][0]["image"] == "nats@sha256:" + "a" * 64
+    assert nats["spec"]["persistentVolumeClaimRetentionPolicy"] == {
+        "whenDeleted": "Delete", "whenScaled": "Retain"}
+    assert env(c)["DDPBUS_JOB"] == "resnet-1"
+    assert not [d for d in by_kind(docs, "Secret") if d["metadata"]["name"].endswith("job-key")]
+
+
+def test_the_bundled_nats_is_hardened_like_the_official_chart(helm: Path) -> None:
+    [nats] = by_kind(render(helm, ["nats.resources.limits.memory=4Gi"]), "StatefulSet")
+    spec = nats["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    assert c["image"] == "nats:2.15.1-alpine"  # the server the code is tested against
+    assert env(c)["GOMEMLIMIT"] == str(4 * 2**30 * 9 // 10)
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == [
+        "nats-server", "-sl=ldm=/var/run/nats/nats.pid"]
+    assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["startupProbe"]["failureThreshold"] == 90
+    assert c["readinessProbe"]["httpGet"]["path"] == "/healthz?js-server-only=true"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz?js-enabled-only=true"
+    assert spec["terminationGracePeriodSeconds"] == 60
+    assert nats["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Retain"
+
+
+def test_the_restricted_check_catches_what_it_must() -> None:
+    good = {"securityContext": {"runAsNonRoot": True, "seccompProfile": {
+        "type": "RuntimeDefault"}}, "containers": [{"name": "c", "securityContext": {
+            "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}],
+        "volumes": [{"name": "v", "emptyDir": {}}]}
+    assert pss.violations(good) == []
+    for path, value, found in [
+            (("securityContext", "seccompProfile"), None, "seccompProfile is None"),
+            (("securityContext", "runAsNonRoot"), False, "runAsNonRoot is not true"),
+            (("hostNetwork",), True, "hostNetwork is set"),
+            (("volumes",), [{"name": "h", "hostPath": {"path": "/"}}], "volume h"),
+            (("containers",), [{"name": "c", "securityContext": {
+                "allowPrivilegeEscalation": False}}], "do not drop ALL")]:
+        bad = yaml.safe_load(yaml.safe_dump(good))
+        node = bad
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+        assert any(found in v for v in pss.violations(bad)), (path, pss.violations(bad))
 
 
 def _pods(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -158,6 +266,14 @@ def finite(job: dict[str, Any], container_name: str) -> None:
 
 @pytest.mark.parametrize(("sets", "message"), [
     (["surprise=1"], "'surprise' not allowed"),
+    (["worker.gpu.count=2"], "at '/worker/gpu/count'"),
+    (["workload.kind=Deployment"], "at '/workload/kind'"),
+    (["workload.backoffLimit=-1"], "at '/workload/backoffLimit'"),
+    (["priorityClassName=Not_A_Name"], "at '/priorityClassName'"),
+    (["nats.image.digest=latest"], "at '/nats/image/digest'"),
+    (["nats.storage.whenDeleted=Keep"], "at '/nats/storage/whenDeleted'"),
+    (["worker.extraVolumeMounts[0].name=x"], "at '/worker/extraVolumeMounts/0'"),
+    (["nats.resources.limits.memory=2.5Gi"], "use a whole number"),
     (["training.workers=two"], "at '/training/workers': got string, want integer"),
     (["training.workers=0"], "at '/training/workers'"),
     (["coordinator.replicas=3"], "at '/coordinator/replicas'"),
