@@ -14,14 +14,17 @@ import base64
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from chart import by_kind, coordinator_job, render, worker_jobs
+from chart import by_kind, container, coordinator_job, env, render, worker_jobs
+from kube_env import namespace_links
 
 from ddpbus.orchestrator.runtime.nats_server import BrokerConfig, EmbeddedBroker
 from ddpbus.orchestrator.transport import auth
@@ -119,11 +122,11 @@ def certificates(pki: Path) -> Secrets:
     return out
 
 
-def server_config(secrets: Secrets, folder: Path) -> Path:
+def server_config(secrets: Secrets, folder: Path, release: str = "train") -> Path:
     """The bundled server's rendered config (nats.conf with its auth.conf and TLS files),
     less the fixed ports and store dir (the embedded broker picks free ones)."""
     folder.mkdir()
-    conf = secrets["train-ddpbus-nats-config"]
+    conf = secrets[f"{release}-ddpbus-nats-config"]
     text = conf["nats.conf"].decode()
     for fixed in ("port: 4222\n", "http_port: 8222\n",
                   "jetstream {\n  store_dir: /data/jetstream\n}\n"):
@@ -131,7 +134,7 @@ def server_config(secrets: Secrets, folder: Path) -> Path:
         text = text.replace(fixed, "")
     assert "pid_file: /var/run/nats/nats.pid\n" in text  # the preStop's lame duck signal
     text = text.replace("/var/run/nats/", f"{folder}/")
-    for key, data in secrets["server-tls"].items():
+    for key, data in secrets.get("server-tls", {}).items():  # with nats.tls on
         (folder / key).write_bytes(data)
     (folder / "nats.conf").write_text(text.replace("/etc/nats-tls", str(folder)))
     (folder / "auth.conf").write_bytes(conf["auth.conf"])
@@ -169,24 +172,71 @@ def test_an_existing_server_with_nkey_secrets(helm: Path, tmp_path: Path) -> Non
         run_rendered(docs, b.url, rendered_secrets(docs) | secrets, tmp_path)
 
 
-def run_rendered(docs: list[dict[str, Any]], url: str, secrets: Secrets,
-                 tmp_path: Path) -> None:
-    coord = coordinator_job(docs)
-    [check] = by_kind(docs, "Pod")  # the helm test pod: `ddpbus status` as the observer
-    base = {"train-ddpbus-nats:4222": url.split("://", 1)[1],
-            "/opt/ddpbus/examples": str(ROOT / "examples")}
+def kubelet_env(docs: list[dict[str, Any]], pod: dict[str, Any], name: str) -> dict[str, str]:
+    """What the kubelet adds to a container's env: HOSTNAME, the API server's variables
+    (always), and the service links of every Service in the namespace. The chart turns
+    links off (``enableServiceLinks: false``); they are added anyway, the stricter case,
+    as a namespace whose admission turned them back on would give them."""
+    assert pod["enableServiceLinks"] is False
+    services = [{"metadata": {"name": "kubernetes"},
+                 "spec": {"ports": [{"name": "https", "port": 443}]}}, *by_kind(docs, "Service")]
+    return {"HOSTNAME": name} | namespace_links(services)
+
+
+def start_pod(docs: list[dict[str, Any]], name: str, pod: dict[str, Any], base: dict[str, str],
+              secrets: Secrets, tmp_path: Path) -> subprocess.Popen[bytes]:
+    """A pod's container as a local process: its command, args and env as rendered, its
+    Secret volumes written out (a fresh folder per pod: a replacement starts empty), and
+    the env the kubelet adds."""
+    mapping = base | mounts(pod, secrets, tmp_path / name)
+    argv, env = process(pod["containers"][0], mapping, secrets)
     clean = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
+    with (tmp_path / f"{name}.log").open("wb") as log:
+        return subprocess.Popen(argv, env=clean | kubelet_env(docs, pod, name) | env,
+                                stdout=log, stderr=subprocess.STDOUT)
+
+
+def observe(docs: list[dict[str, Any]], base: dict[str, str], secrets: Secrets,
+            tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The helm-test pod's command (`ddpbus status`, as the observer), with ``args``."""
+    [check] = by_kind(docs, "Pod")
+    mapping = base | mounts(check["spec"], secrets, tmp_path / f"status-{time.monotonic_ns()}")
+    argv, env = process(check["spec"]["containers"][0], mapping, secrets)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
+    return subprocess.run([*argv, *args], env=clean | kubelet_env(docs, check["spec"], "test")
+                          | env, capture_output=True, text=True, timeout=60, check=False)
+
+
+def run_rendered(docs: list[dict[str, Any]], url: str, secrets: Secrets,
+                 tmp_path: Path, release: str = "train", epochs: int = 3,
+                 kill: int | None = None) -> dict[str, Any]:
+    """Every rendered pod of the job, run to its end. ``kill``: SIGKILL that rank's process
+    once the run has averaged, and start the replacement its Job would (a new pod: its own
+    empty volumes); the run must still complete and every other process exit 0."""
+    coord = coordinator_job(docs)
+    base = {f"{release}-ddpbus-nats:4222": url.split("://", 1)[1],
+            "/opt/ddpbus/examples": str(ROOT / "examples")}
     pods = {"coordinator": coord["spec"]["template"]["spec"]}
     pods |= {f"worker-{r}": job["spec"]["template"]["spec"]
              for r, job in enumerate(worker_jobs(docs))}
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
         for name, pod in pods.items():
-            mapping = base | mounts(pod, secrets, tmp_path / name)
-            argv, env = process(pod["containers"][0], mapping, secrets)
-            with (tmp_path / f"{name}.log").open("wb") as log:
-                procs[name] = subprocess.Popen(argv, env=clean | env, stdout=log,
-                                               stderr=subprocess.STDOUT)
+            procs[name] = start_pod(docs, name, pod, base, secrets, tmp_path)
+        if kill is not None:
+            deadline = time.monotonic() + 120
+            while True:  # until the run has averaged: the rank has work to lose
+                out = observe(docs, base, secrets, tmp_path, "--json")
+                if out.returncode == 0 and json.loads(out.stdout).get("rounds", 0) > 0:
+                    break
+                assert time.monotonic() < deadline, out.stdout + out.stderr
+                time.sleep(0.2)
+            victim = procs.pop(f"worker-{kill}")
+            victim.kill()
+            assert victim.wait(30) == -signal.SIGKILL
+            procs[f"worker-{kill}-replacement"] = start_pod(
+                docs, f"worker-{kill}-replacement", pods[f"worker-{kill}"], base, secrets,
+                tmp_path)
         codes = {name: p.wait(240) for name, p in procs.items()}
     finally:
         for p in procs.values():
@@ -194,19 +244,58 @@ def run_rendered(docs: list[dict[str, Any]], url: str, secrets: Secrets,
                 p.kill()
     logs = "\n".join(f"--- {n}\n{(tmp_path / f'{n}.log').read_text()[-3000:]}" for n in procs)
     assert codes == dict.fromkeys(procs, 0), logs
-    mapping = base | mounts(check["spec"], secrets, tmp_path / "status")
-    argv, env = process(check["spec"]["containers"][0], mapping, secrets)
-    status = subprocess.run([*argv, "--json"], env=clean | env, capture_output=True,
-                            text=True, timeout=60, check=False)
+    status = observe(docs, base, secrets, tmp_path, "--json")
     assert status.returncode == 0, status.stderr
     doc = json.loads(status.stdout)
     assert doc["phase"] == "done"
     assert doc["outcome"]["ok"], doc
-    assert doc["epochs"] == 3
-    login = {k: v for k, v in env.items() if k in ("DDPBUS_NATS_USER", "DDPBUS_NATS_NKEY")}
-    assert login  # the observer logs in; without its login the server refuses:
-    anonymous = subprocess.run(argv, env={k: v for k, v in (clean | env).items()
-                                          if k not in login and "PASSWORD" not in k},
-                               capture_output=True, text=True, timeout=60, check=False)
-    assert anonymous.returncode != 0
-    assert "uthorization" in anonymous.stderr, anonymous.stderr
+    assert doc["epochs"] == epochs
+    return {"base": base, "pods": pods, "logs": logs}
+
+
+def test_the_observer_needs_its_login(helm: Path, tmp_path: Path) -> None:
+    docs = render(helm, [*BASE, "training.workers=1"])
+    secrets = rendered_secrets(docs)
+    config = server_config(secrets, tmp_path / "nats")
+    with EmbeddedBroker(BrokerConfig(store_dir=tmp_path / "store", config_file=config)) as b:
+        base = {"train-ddpbus-nats:4222": b.url.split("://", 1)[1]}
+        [check] = by_kind(docs, "Pod")
+        mapping = base | mounts(check["spec"], secrets, tmp_path / "status")
+        argv, env = process(check["spec"]["containers"][0], mapping, secrets)
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
+        login = {k: v for k, v in env.items() if k in ("DDPBUS_NATS_USER", "DDPBUS_NATS_NKEY")}
+        assert login  # the observer logs in; without its login the server refuses:
+        anonymous = subprocess.run(argv, env={k: v for k, v in (clean | env).items()
+                                              if k not in login and "PASSWORD" not in k},
+                                   capture_output=True, text=True, timeout=60, check=False)
+        assert anonymous.returncode != 0
+        assert "uthorization" in anonymous.stderr, anonymous.stderr
+
+
+@pytest.mark.parametrize("release", [
+    "ddpbus", pytest.param("ddpbus-exp1", marks=pytest.mark.slow),
+    pytest.param("t", marks=pytest.mark.slow)])
+def test_a_release_trains_with_the_env_kubernetes_gives(helm: Path, tmp_path: Path,
+                                                        release: str) -> None:
+    """Under the release names people use (``ddpbus`` names Services ``ddpbus-ddpbus-*``,
+    whose links are ``DDPBUS_DDPBUS_*``): a killed rank's replacement rejoins and the run
+    completes; a reinstall on the retained store (the same job name) fails loudly."""
+    sets = ["worker.gpu.enabled=false", "training.backend=gloo", "training.workers=2",
+            "training.epochs=30", f"coordinator.metrics.port={free_port()}"]
+    docs = render(helm, sets, release=release)
+    assert env(container(coordinator_job(docs)))["DDPBUS_JOB"] == release
+    secrets = rendered_secrets(docs)
+    config = server_config(secrets, tmp_path / "nats", release)
+    with EmbeddedBroker(BrokerConfig(store_dir=tmp_path / "store", config_file=config)) as b:
+        ran = run_rendered(docs, b.url, secrets, tmp_path, release, epochs=30, kill=1)
+        # it rejoined (or, on a machine slow to start it, found the run already over)
+        replaced = (tmp_path / "worker-1-replacement.log").read_text()
+        assert "rejoin sent" in replaced or "nothing to join" in replaced, replaced
+        # helm uninstall + install: the same job name, the store retained (whenDeleted)
+        again = start_pod(docs, "coordinator-reinstalled", ran["pods"]["coordinator"],
+                          ran["base"], secrets, tmp_path)
+        assert again.wait(120) == 4  # its Job fails at once (podFailurePolicy: exit 4)
+        log = (tmp_path / "coordinator-reinstalled.log").read_text()
+        assert f"job {release} already ran to its end" in log, log
+        assert "--set job=NAME" in log
+        assert f"ddpbus delete-job --job {release}" in log
