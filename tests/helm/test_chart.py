@@ -29,6 +29,8 @@ K8S_VERSIONS = ("1.33", "1.35", "1.37")
 
 VALUE_SETS: dict[str, list[str]] = {
     "default": [],
+    # GitOps: every Secret made outside the chart, so every render is the same
+    "gitops": ["jobKey.existingSecret=train-key", "auth.existing.secretPrefix=train-login"],
     "existing-nats": ["nats.bundled=false", "nats.url=nats://nats.infra:4222",
                       "auth.existing.secretPrefix=train-login"],
     "existing-nats-secret": ["nats.bundled=false", "nats.urlSecret.name=nats-url",
@@ -173,6 +175,18 @@ def _every_pod_is_safe(docs: list[dict[str, Any]], sets: list[str]) -> None:
 SECRET_WORDS = ("KEY", "PASSWORD", "CREDS", "NKEY", "TOKEN", "SEED")
 
 
+def test_with_existing_secrets_every_render_is_the_same(helm: Path) -> None:
+    """Argo CD and Flux render with `helm template` (no lookup): with the job key and the
+    logins in existing Secrets nothing random is left, so a sync changes nothing."""
+    sets = VALUE_SETS["gitops"]
+    first, second = render(helm, sets), render(helm, sets)
+    assert first == second
+    assert by_kind(first, "Secret") == [d for d in by_kind(first, "Secret")
+                                        if d["metadata"]["name"].endswith("nats-config")]
+    # while the chart's own Secrets are random on each such render (lookup finds nothing)
+    assert render(helm, []) != render(helm, [])
+
+
 def test_a_gpu_clusters_settings_reach_their_pods(helm: Path) -> None:
     docs = render(helm, VALUE_SETS["gpu-cluster"])
     jobs = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d
@@ -284,7 +298,8 @@ def finite(job: dict[str, Any], container_name: str) -> None:
     (["worker.resources.requests.cpu=4", "worker.extra=1"], "'extra' not allowed"),
     (["nats.bundled=false"], "nats.url or nats.urlSecret.name is required"),
     (["nats.bundled=false", "nats.url=nats://n:4222"], "auth.existing.secretPrefix is required"),
-    (["auth.existing.secretPrefix=x"], "auth.existing.secretPrefix is for an existing server"),
+    (["auth.existing.secretPrefix=x", "auth.existing.kind=nkey"],
+     "the bundled server takes existing logins of kind password"),
     (["nats.bundled=false", "nats.url=nats://n:4222", "auth.existing.secretPrefix=x",
       "auth.existing.kind=token"], "at '/auth/existing/kind'"),
     (["auth.enabled=yes"], "at '/auth/enabled'"),

@@ -157,6 +157,30 @@ def test_the_bundled_server_config_logins_and_mutual_tls(helm: Path, tmp_path: P
         run_rendered(docs, b.url, secrets, tmp_path)
 
 
+def test_the_bundled_server_with_existing_logins(helm: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """GitOps: the job key and every login in Secrets made outside the chart (External
+    Secrets, Sealed Secrets); the bundled server reads each login from its environment."""
+    sets = [*BASE, f"coordinator.metrics.port={free_port()}",
+            "auth.existing.secretPrefix=login", "jobKey.existingSecret=key"]
+    docs = render(helm, sets)
+    secrets: Secrets = {f"login-{i}": {"user": i.encode(), "password": os.urandom(12).hex()
+                                       .encode()} for i in auth.identities(2)}
+    secrets["key"] = {"job.key": os.urandom(32).hex().encode()}
+    secrets |= rendered_secrets(docs)
+    [server] = by_kind(docs, "StatefulSet")
+    _, server_env = process({**server["spec"]["template"]["spec"]["containers"][0],
+                             "command": ["nats-server"], "args": []}, {}, secrets)
+    assert {k for k in server_env if k.startswith("LOGIN_")} == {
+        f"LOGIN_{i.upper().replace('-', '_')}_{k}" for i in auth.identities(2)
+        for k in ("USER", "PASSWORD")}
+    for k, v in server_env.items():
+        monkeypatch.setenv(k, v)  # the server's environment, as its pod has it
+    config = server_config(secrets, tmp_path / "nats")
+    with EmbeddedBroker(BrokerConfig(store_dir=tmp_path / "store", config_file=config)) as b:
+        run_rendered(docs, b.url, secrets, tmp_path)
+
+
 def test_an_existing_server_with_nkey_secrets(helm: Path, tmp_path: Path) -> None:
     """The server `ddpbus broker --auth` runs; the URL from a Secret, proto3 JSON wire."""
     creds = auth.write_credentials(tmp_path / "auth", "smoke", 2)

@@ -10,8 +10,15 @@
 {{- end -}}
 
 {{/* the Secret of one identity: (dict "root" . "identity" "rank-0") */}}
+{{/* the chart makes the logins: the bundled server, no auth.existing.secretPrefix */}}
+{{- define "ddpbus.chartLogins" -}}
+{{- if and .Values.nats.bundled .Values.auth.enabled (not .Values.auth.existing.secretPrefix) -}}
+true
+{{- end -}}
+{{- end -}}
+
 {{- define "ddpbus.identitySecret" -}}
-{{- if .root.Values.nats.bundled -}}
+{{- if include "ddpbus.chartLogins" .root -}}
 {{- printf "%s-nats-%s" (include "ddpbus.fullname" .root) .identity -}}
 {{- else -}}
 {{- printf "%s-%s" (required "auth.existing.secretPrefix is required when nats.bundled is false and auth.enabled is true (or set auth.enabled=false: no credentials)" .root.Values.auth.existing.secretPrefix) .identity -}}
@@ -78,6 +85,7 @@ them equal), placeholders filled in here; training.resume adds read access to th
 {{/* the bundled server's authorization block: one user per identity, no anonymous login
 (the nats-server config format takes JSON values) */}}
 {{- define "ddpbus.natsAuthConfig" -}}
+{{- if include "ddpbus.chartLogins" . }}
 {{- $users := include "ddpbus.natsUsers" . | fromJson -}}
 {{- $list := list -}}
 {{- range $id := include "ddpbus.identities" . | fromJsonArray -}}
@@ -86,6 +94,40 @@ them equal), placeholders filled in here; training.resume adds read access to th
 {{- end -}}
 # one user per identity of job {{ include "ddpbus.job" . }}; passwords are bcrypt hashes
 authorization {{ toRawJson (dict "users" $list) }}
+{{- else }}
+# one user per identity of job {{ include "ddpbus.job" . }}, each login read from its
+# Secret <auth.existing.secretPrefix>-<identity> (the server's environment: ddpbus.loginEnv)
+authorization {
+  users: [
+{{- range $id := include "ddpbus.identities" . | fromJsonArray }}
+{{- $var := include "ddpbus.loginVar" $id }}
+    {user: ${{ $var }}_USER, password: ${{ $var }}_PASSWORD, permissions: {{ include "ddpbus.permissions" (dict "root" $ "identity" $id) }}}
+{{- end }}
+  ]
+}
+{{- end }}
+{{- end -}}
+
+{{/* the server's environment variable of one identity's login: LOGIN_RANK_0 (_USER, _PASSWORD) */}}
+{{- define "ddpbus.loginVar" -}}
+{{- printf "LOGIN_%s" (. | upper | replace "-" "_") -}}
+{{- end -}}
+
+{{/* the bundled server's environment with existing logins: each identity's user and
+password from its Secret (the config refers to them: ddpbus.natsAuthConfig) */}}
+{{- define "ddpbus.loginEnv" -}}
+{{- if and .Values.auth.enabled (not (include "ddpbus.chartLogins" .)) }}
+{{- range $id := include "ddpbus.identities" . | fromJsonArray }}
+{{- $var := include "ddpbus.loginVar" $id }}
+{{- range $key := list "user" "password" }}
+- name: {{ $var }}_{{ $key | upper }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "ddpbus.identitySecret" (dict "root" $ "identity" $id) }}
+      key: {{ $key }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{/* the bundled server's config */}}
@@ -113,7 +155,7 @@ include auth.conf
 
 {{/* the key of an identity's Secret that its pod mounts, and the file it becomes */}}
 {{- define "ddpbus.credentialKey" -}}
-{{- if .Values.nats.bundled -}}
+{{- if include "ddpbus.chartLogins" . -}}
 password
 {{- else -}}
 {{- get (dict "password" "password" "creds" "creds" "nkey" "seed") .Values.auth.existing.kind -}}
@@ -127,7 +169,7 @@ password
 {{- $key := include "ddpbus.credentialKey" .root }}
 {{- if eq $key "password" }}
 - name: DDPBUS_NATS_USER
-{{- if $v.nats.bundled }}
+{{- if include "ddpbus.chartLogins" .root }}
   value: {{ .identity | quote }}
 {{- else }}
   valueFrom:
@@ -199,7 +241,7 @@ password
 {{/* a pod annotation that changes when the identity's password does (a rolled pod reads
 the new one); bundled server only: an existing server's Secrets are the user's */}}
 {{- define "ddpbus.loginChecksum" -}}
-{{- if and .root.Values.nats.bundled .root.Values.auth.enabled -}}
+{{- if include "ddpbus.chartLogins" .root -}}
 ddpbus.io/nats-login: {{ (index (include "ddpbus.natsUsers" .root | fromJson) .identity).bcrypt | sha256sum | trunc 16 | quote }}
 {{- end -}}
 {{- end -}}
@@ -211,7 +253,7 @@ ddpbus.io/nats-login: {{ (index (include "ddpbus.natsUsers" .root | fromJson) .i
 {{- if and .Values.nats.tls.clientSecretName (not .Values.nats.tls.verifyClients) -}}
 {{- fail "nats.tls.clientSecretName is for mutual TLS: set nats.tls.verifyClients" -}}
 {{- end -}}
-{{- if and .Values.nats.bundled .Values.auth.existing.secretPrefix -}}
-{{- fail "auth.existing.secretPrefix is for an existing server (nats.bundled=false): the bundled one makes its own Secrets" -}}
+{{- if and .Values.nats.bundled .Values.auth.existing.secretPrefix (ne .Values.auth.existing.kind "password") -}}
+{{- fail "the bundled server takes existing logins of kind password (keys user and password): auth.existing.kind=password" -}}
 {{- end -}}
 {{- end -}}
