@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import shutil
 import subprocess
+import sys
 import tarfile
 import zipfile
 from pathlib import Path
@@ -46,3 +47,22 @@ def helm() -> Path:
     with (TOOLS / ".fetch.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return _fetch()
+
+
+CHECKOV = "checkov==3.3.30"  # the static policy scanner for charts (tests/helm/test_policy.py)
+
+
+@pytest.fixture(scope="session")
+def checkov() -> Path:
+    """checkov in a virtual environment of its own under build/tools (its many dependencies
+    stay out of the project's), made on first use."""
+    TOOLS.mkdir(parents=True, exist_ok=True)
+    venv = TOOLS / "checkov"
+    exe = venv / "bin" / "checkov"
+    with (TOOLS / ".checkov.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not exe.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+            subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet",
+                            "--disable-pip-version-check", CHECKOV], check=True, timeout=900)
+    return exe
