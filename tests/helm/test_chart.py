@@ -99,7 +99,7 @@ def test_lint_render_and_validate(helm: Path, name: str) -> None:
     assert lint.returncode == 0, lint.stdout + lint.stderr
     docs = render(helm, sets)
     for doc in docs:
-        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+        if doc["apiVersion"].startswith(("monitoring.coreos.com/", "jobset.x-k8s.io/")):
             continue  # a CRD: no upstream schema to check it against
         for version in K8S_VERSIONS:
             kubernetes_validate.validate(doc, version, strict=True)
@@ -173,6 +173,37 @@ def _every_pod_is_safe(docs: list[dict[str, Any]], sets: list[str]) -> None:
 
 
 SECRET_WORDS = ("KEY", "PASSWORD", "CREDS", "NKEY", "TOKEN", "SEED")
+
+
+def test_a_jobset_holds_the_same_jobs(helm: Path) -> None:
+    """workload.kind=JobSet: one JobSet (what Kueue admits whole) whose Jobs are exactly the
+    ones workload.kind=Job renders, its labels on the JobSet only."""
+    sets = ["training.workers=3", "coordinator.replicas=2",
+            "workload.labels.kueue\\.x-k8s\\.io/queue-name=team-a",
+            "workload.ttlSecondsAfterFinished=600"]
+    jobs = {d["metadata"]["name"]: d for d in by_kind(render(helm, sets), "Job")}
+    docs = render(helm, [*sets, "workload.kind=JobSet"])
+    assert not by_kind(docs, "Job")
+    [jobset] = by_kind(docs, "JobSet")
+    assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
+    assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    spec = jobset["spec"]
+    assert spec["ttlSecondsAfterFinished"] == 600
+    assert spec["successPolicy"] == {"operator": "All"}
+    assert spec["failurePolicy"] == {"maxRestarts": 0}
+    replicated = {r["name"]: r for r in spec["replicatedJobs"]}
+    assert list(replicated) == ["coordinator", "rank-0", "rank-1", "rank-2"]
+    for name, job in jobs.items():
+        r = replicated["coordinator" if name.endswith("coordinator") else
+                       "rank-" + name.rsplit("-", 1)[1]]
+        assert r["replicas"] == 1
+        # the same Job: pods, failure policy (the logins' checksums aside: each render
+        # makes new random passwords, lookup finding nothing here)
+        for spec_ in (r["template"]["spec"], job["spec"]):
+            spec_["template"]["metadata"].get("annotations", {}).pop("ddpbus.io/nats-login")
+        assert r["template"]["spec"] == job["spec"]
+        assert "kueue.x-k8s.io/queue-name" not in r["template"]["metadata"]["labels"]
+        assert pss.violations(r["template"]["spec"]["template"]["spec"]) == []
 
 
 def test_with_existing_secrets_every_render_is_the_same(helm: Path) -> None:

@@ -110,12 +110,16 @@ labels:
   {{- with .labels }}
   {{- . | nindent 2 }}
   {{- end }}
+  {{- if not .child }}{{/* a JobSet's Jobs: Kueue reads the JobSet's labels */}}
   {{- with .root.Values.workload.labels }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
+  {{- end }}
+{{- if not .child }}
 {{- with .root.Values.workload.annotations }}
 annotations:
   {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end }}
 {{- end -}}
 
