@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import faulthandler
 import hashlib
+import json
 import logging
 import os
 import signal
@@ -39,6 +40,7 @@ from ddpbus.codecs import DecodeError, Decoder, Encoder, Outbound
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import ConfigError, DdpbusError
+from ddpbus.orchestrator.core.session import NOT_JOINABLE
 from ddpbus.orchestrator.persist import bundles
 from ddpbus.orchestrator.runtime.endpoint import Endpoint
 from ddpbus.orchestrator.transport import bus
@@ -118,6 +120,7 @@ class WorkerAgent:
         self.dropped_before_accept = 0
         self.resume_seq = 0  # this rank's consumer had acked this far: a restart
         self.reader: bus.StreamReader | None = None
+        self._refusal = ""  # the coordinator's Reject reason, if it refused this rank
         self._bundles: list[concurrent.futures.Future[None]] = []  # bundle writes in flight
         self._bundle_lock: asyncio.Lock | None = None  # one at a time, in version order
         self._rounds: ObjectStore | None = None  # the broker backend's round bucket
@@ -237,7 +240,14 @@ class WorkerAgent:
                  "rejoin" if self.resume_seq else "hello", self.generation, device)
         accept = await self._await_admission()
         if accept is None:
-            return EXIT_REJECTED if self.watch.failure is None else EXIT_FAILED
+            if self.watch.failure is not None:
+                return EXIT_FAILED
+            if NOT_JOINABLE in self._refusal and await self._run_ends_ok():
+                # a replacement (a pod its Job made) that came as the run was ending
+                log.info("rank %d: job %s ended without this incarnation: nothing to join",
+                         s.rank, s.job)
+                return EXIT_OK
+            return EXIT_REJECTED
         # beacons start once admitted: before that the coordinator does not know this rank
         self._spawn(self._beacon(), "heartbeat")
         if not loaded:
@@ -436,6 +446,19 @@ class WorkerAgent:
 
     # -------------------------------------------------------------- messaging
 
+    async def _run_ends_ok(self) -> bool:
+        """Refused because the run takes no rank any more: whether it ends well (its
+        summary stored, ok) within the coordinator's deadline."""
+        deadline = time.monotonic() + self.settings.join_timeout.total_seconds()
+        while time.monotonic() < deadline:
+            with contextlib.suppress(*bus.TRANSIENT_ERRORS):
+                if await bus.run_is_over(self.js, self.settings.job):
+                    kv = await self.js.key_value(sj.kv_bucket(self.settings.job))
+                    summary = json.loads((await kv.get(sj.SUMMARY_KEY)).value or b"{}")
+                    return bool(summary.get("ok"))
+            await asyncio.sleep(0.5)
+        return False
+
     async def _wait_for_job(self, js: JetStreamContext) -> KeyValue | None:
         """The job's stream, bucket and this rank's durable consumer are made by the
         coordinator (or ``ddpbus init-job``): a rank may read its consumer, never create or
@@ -532,6 +555,7 @@ class WorkerAgent:
                      body.generation)
             return
         if isinstance(body, m.Reject):
+            self._refusal = body.reason
             fut.set_exception(DdpbusError(f"rejected by the coordinator: {body.reason}"))
         else:
             fut.set_result(body)

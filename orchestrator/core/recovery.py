@@ -255,7 +255,7 @@ def _joinable(s: State) -> bool:
 def on_rejoin(s: State, r: RankState, hello: m.Hello, now: float, out: Out) -> None:
     """A restarted incarnation of ``r`` (higher generation) asks to come back."""
     if not _joinable(s):
-        session.reject(hello, f"the run is {s.phase.value}; no rank can join now", out)
+        session.reject(hello, f"the run is {s.phase.value}; {session.NOT_JOINABLE}", out)
         return
     problem = session.cohort_problem(s, hello)
     if problem is not None:

@@ -22,6 +22,10 @@ from ddpbus.orchestrator.core.state import (
 
 Out = list[Command]
 
+# the end of a Reject's reason when the run takes no rank any more (ending or ended): a
+# replacement rank that gets it has nothing to do (worker_agent: it waits for the summary)
+NOT_JOINABLE = "no rank can join now"
+
 
 CAPABLE = {"nccl": m.Backend.NCCL, "gloo": m.Backend.GLOO}  # what a rank's Hello offers
 

@@ -16,10 +16,12 @@ import torch.distributed as dist
 from worker_harness import run_config, spec
 
 from ddpbus.codecs import messages as m
+from ddpbus.orchestrator.core.session import NOT_JOINABLE
 from ddpbus.orchestrator.transport.auth import Access
 from ddpbus.worker_agent import checkpoint
 from ddpbus.worker_agent.agent import (
     EXIT_FAILED,
+    EXIT_OK,
     EXIT_REJECTED,
     WorkerAgent,
     WorkerSettings,
@@ -164,3 +166,27 @@ async def test_a_plan_the_trainer_refuses_is_counted_for_the_heartbeat(
     thread.join()
     await asyncio.wait_for(counted.wait(), 5)
     assert agent.rejected == {"plan-out-of-range": 2}
+
+
+@pytest.mark.parametrize(("reason", "ends_ok", "code"), [
+    (f"the run is draining; {NOT_JOINABLE}", True, EXIT_OK),  # a replacement, too late
+    (f"the run is draining; {NOT_JOINABLE}", False, EXIT_REJECTED),  # it failed, or hangs
+    ("model signature differs from the cohort's", True, EXIT_REJECTED),
+])
+async def test_a_rank_refused_as_the_run_ends_has_nothing_to_do(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reason: str, ends_ok: bool,
+        code: int) -> None:
+    """A Job's replacement pod that comes as the run is ending is refused ("no rank can
+    join now"): it exits 0 once the run's summary says it ended well (its Job completes
+    instead of failing a finished run); any other refusal is one."""
+    start = Start(tmp_path, monkeypatch, spec())
+    start.agent._refusal = reason
+    asked: list[bool] = []
+
+    async def run_ends_ok() -> bool:
+        asked.append(True)
+        return ends_ok
+
+    monkeypatch.setattr(start.agent, "_run_ends_ok", run_ends_ok)
+    assert await start.run() == code
+    assert asked == ([True] if NOT_JOINABLE in reason else [])  # no wait for other reasons
