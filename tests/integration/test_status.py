@@ -127,7 +127,15 @@ def test_status_of_a_live_run_and_of_its_end(broker: EmbeddedBroker, tmp_path: P
         assert refused.returncode == 1
         assert "job 'watched' is running: coordinator " in refused.stderr
         assert "nothing was deleted" in refused.stderr
-        job.wait()
+        # a leader starved past its lease TTL (a loaded machine) is deposed by the standby,
+        # which finishes the run: legitimate, so which of the two ends it is not asserted,
+        # only that the ranks and the one that ended the run exit 0 and a deposed one 3
+        for p in job.procs.values():
+            p.wait(180)
+        codes = {n: p.returncode for n, p in job.procs.items()}
+        assert {n: c for n, c in codes.items() if n.startswith("rank")} == {
+            "rank-0": 0, "rank-1": 0}, job.dump()
+        assert sorted((codes["coordinator"], codes["standby"])) in ([0, 0], [0, 3]), job.dump()
     finally:
         job.kill()
     end = doc(broker.url, key_file)
@@ -136,8 +144,9 @@ def test_status_of_a_live_run_and_of_its_end(broker: EmbeddedBroker, tmp_path: P
     assert end["summary"]["ok"]
     assert end["last_checkpoint"]["version"] == EPOCHS
     assert end["lease"] is None
-    assert "job watched ran to its end under another coordinator; this standby is done" \
-        in job.log("standby")
+    if codes["coordinator"] == 0:  # the leader ended the run: the standby just stops
+        assert "job watched ran to its end under another coordinator; this standby is " \
+            "done" in job.log("standby")
     _after_the_end(job, broker.url, key_file)
 
 
