@@ -8,11 +8,13 @@ start your own spec: everything ddpbus needs is the ``spec`` object at the botto
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable
+from pathlib import Path
 
+import numpy as np
 import torch
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.nn import functional
 from torch.utils.data import TensorDataset
@@ -25,8 +27,24 @@ EPOCHS = 20
 BASE_LR = 0.05
 
 
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """``sklearn.datasets.load_digits(return_X_y=True)``, read from the CSV file that
+    scikit-learn ships without importing scikit-learn: that import (SciPy with it) costs as
+    much as torch's, in the coordinator and in every worker."""
+    found = importlib.util.find_spec("sklearn")  # finds the package, runs none of it
+    csv = Path(found.origin).parent / "datasets" / "data" / "digits.csv.gz" \
+        if found is not None and found.origin is not None else None
+    if csv is None or not csv.exists():  # another layout: the documented way
+        from sklearn.datasets import load_digits as load
+
+        x, y = load(return_X_y=True)
+        return x, y
+    data = np.loadtxt(csv, delimiter=",")
+    return data[:, :-1], data[:, -1].astype(np.int64)
+
+
 def _split() -> tuple[TensorDataset, TensorDataset]:
-    x_np, y_np = load_digits(return_X_y=True)
+    x_np, y_np = load_digits()
     x = torch.tensor(x_np, dtype=torch.float32) / 16.0
     y = torch.tensor(y_np, dtype=torch.int64)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(SPLIT_SEED))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
 import torch
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.nn import functional
 from torch.utils.data import TensorDataset
@@ -14,9 +14,24 @@ from torch.utils.data import TensorDataset
 from ddpbus.worker_agent import current, record_scalar
 
 
+def _example() -> object:
+    """examples/digits.py: its loader reads sklearn's digits without importing sklearn (an
+    import as costly as torch's, paid by every process the suite starts)."""
+    where = Path(__file__).resolve().parents[3] / "examples" / "digits.py"
+    found = importlib.util.spec_from_file_location("_ddpbus_digits_example", where)
+    assert found is not None
+    assert found.loader is not None
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    return module
+
+
+load_digits = _example().load_digits  # type: ignore[attr-defined]
+
+
 def digits(*, with_index: bool = False) -> tuple[TensorDataset, TensorDataset]:
     """The digits split of examples/digits.py (seed 0, 20 % held out)."""
-    x_np, y_np = load_digits(return_X_y=True)
+    x_np, y_np = load_digits()
     x = torch.tensor(x_np, dtype=torch.float32) / 16.0
     y = torch.tensor(y_np, dtype=torch.int64)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
