@@ -7,12 +7,29 @@ import datetime as dt
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy, StreamInfo
+from nats.js.errors import NotFoundError
 
 from ddpbus.codecs import DecodeError, Decoder, Envelope
 from ddpbus.codecs import subjects as sj
+from ddpbus.codecs.errors import DdpbusError
 
 Progress = Callable[[int, int], None]  # (stream sequence reached, last sequence)
+
+
+class NoSuchJob(DdpbusError, LookupError):
+    """The broker holds no such job."""
+
+
+async def stream_info(js: Any, job: str) -> StreamInfo:
+    """The job's stream, or :class:`NoSuchJob` naming what is missing."""
+    try:
+        info: StreamInfo = await js.stream_info(sj.stream_name(job))
+    except NotFoundError:
+        raise NoSuchJob(f"the broker holds no job {job!r} (no stream "
+                        f"{sj.stream_name(job)}): check --job, and --nats for the server"
+                        ) from None
+    return info
 
 
 async def stored(nc: Any, job: str, decoder: Decoder,
@@ -21,7 +38,7 @@ async def stored(nc: Any, job: str, decoder: Decoder,
     """Every message of ``job``'s stream, in order, decoded (None: refused); ``progress``
     hears (stream sequence, last sequence) as it goes."""
     js = nc.jetstream()
-    info = await js.stream_info(sj.stream_name(job))
+    info = await stream_info(js, job)
     last = info.state.last_seq
     if info.state.messages == 0:
         return

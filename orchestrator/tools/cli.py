@@ -1,12 +1,21 @@
 """The ``ddpbus`` command line.
 
-Settings come from flags, then ``DDPBUS_*`` environment variables, then defaults; an
-unknown ``DDPBUS_*`` variable or a bad value is refused before anything starts (exit 2),
-with the closest known name suggested. Kubernetes gives every pod service-link variables
-for each Service in its namespace (``<NAME>_SERVICE_HOST``, ``<NAME>_PORT_9090_TCP``...),
-unless the pod sets ``enableServiceLinks: false``: a Service named ``ddpbus-...`` would
-name some ``DDPBUS_*``. Those are ignored (:func:`service_link`), unless the name is one
-letter or two away from a setting of ours: then it is a typo, and refused.
+Settings come from flags, then ``DDPBUS_*`` environment variables, then defaults (the NATS
+URL: ``--nats``, ``DDPBUS_NATS_URL``, then ``NATS_URL`` as natscli and nats.py read it, then
+``nats://127.0.0.1:4222``); an unknown ``DDPBUS_*`` variable or a bad value is refused before
+anything starts (exit 2, under the subcommand's usage), with the closest known name
+suggested. ``--log-level`` (any case) goes before or after the subcommand.
+
+Every failure ends in one line on stderr, never a traceback: a bad setting exits 2, a known
+failure (no such job, NATS unreachable within ``--timeout``, a refused login) exits 1,
+Ctrl-C exits 130 quietly, a closed pipe (``ddpbus sub | head``) exits 0 silently, and an
+unexpected error says so in one line (``--log-level debug`` shows its traceback).
+
+Kubernetes gives every pod service-link variables for each Service in its namespace
+(``<NAME>_SERVICE_HOST``, ``<NAME>_PORT_9090_TCP``...), unless the pod sets
+``enableServiceLinks: false``: a Service named ``ddpbus-...`` would name some ``DDPBUS_*``.
+Those are ignored (:func:`service_link`), unless the name is one letter or two away from a
+setting of ours: then it is a typo, and refused.
 This is the only module that reads ``os.environ``.
 """
 
@@ -21,6 +30,7 @@ import re
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from importlib import metadata
 from typing import Any
 
 from ddpbus.codecs.errors import ConfigError, DdpbusError
@@ -31,6 +41,12 @@ log = logging.getLogger("ddpbus.cli")
 # flag dest -> environment variable, per subcommand
 ENV_VARS: dict[str, dict[str, str]] = {c.NAME: c.ENV for c in commands.ALL}
 GLOBAL_ENV = {"DDPBUS_LOG_LEVEL"}
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+DEFAULT_NATS = "nats://127.0.0.1:4222"  # natscli's and nats.py's default too
+EXIT_INTERRUPTED = 130
+# the processes of a job keep a crash's traceback (in the user's training code, often) for
+# their logs; the operator tools say it in one line
+TRACEBACKS = {"coordinator", "worker"}
 RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {c.NAME: c.run for c in commands.ALL}
 # the variables Kubernetes derives from a Service's name (upper case, "-" as "_"):
 # NAME_SERVICE_HOST, NAME_SERVICE_PORT[_PORTNAME], NAME_PORT, NAME_PORT_<n>_<PROTO>[_PROTO|
@@ -67,24 +83,68 @@ def _unknown(name: str, known: set[str]) -> str:
     return f"{name} (did you mean {close[0]}?)" if close else name
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's own, but an epilog that starts "examples:" keeps its lines as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("examples:"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def _examples(lines: Sequence[str]) -> str:
+    return "examples:\n" + "".join(f"  {line}\n" for line in lines)
+
+
+def _version() -> str:
+    try:
+        own = metadata.version("ddpbus")
+    except metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        own = "unknown (not installed)"
+    from ddpbus.codecs.subjects import SCHEMA_VERSION
+
+    return f"ddpbus {own} (wire schema v{SCHEMA_VERSION}, Python {sys.version.split()[0]})"
+
+
+def _log_level(p: argparse.ArgumentParser) -> None:
+    # SUPPRESS: a subcommand's parser must not reset what was given before the subcommand
+    p.add_argument("--log-level", type=str.upper, choices=LEVELS, default=argparse.SUPPRESS,
+                   metavar="LEVEL", help="debug, info, warning or error, any case; before or "
+                   "after the subcommand (env DDPBUS_LOG_LEVEL; default info, warning for "
+                   "`run`)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="ddpbus", description="Data-parallel PyTorch training orchestrated over NATS.")
-    parser.add_argument("--log-level", default=None,
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="log level (env DDPBUS_LOG_LEVEL; default INFO)")
+        prog="ddpbus", description="Data-parallel PyTorch training orchestrated over NATS.",
+        formatter_class=_HelpFormatter, epilog=_examples([
+            "ddpbus run examples/digits.py:spec --workers 2   # train on this machine",
+            "ddpbus status --job digits --key-file job.key     # where a job stands",
+            "ddpbus sub --job digits --key-file job.key        # its traffic, decoded",
+            "ddpbus COMMAND --help                              # each command's examples"]))
+    parser.add_argument("--version", action="version", version=_version())
+    _log_level(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in commands.ALL:
-        command.add_parser(sub)
+        p = command.add_parser(sub)
+        _log_level(p)
+        p.formatter_class = _HelpFormatter
+        p.epilog = _examples(command.EXAMPLES)
     return parser
+
+
+def subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of one subcommand (whose usage a bad setting of it is shown with)."""
+    for action in parser._actions:  # argparse lists its subcommands only here
+        if isinstance(action, argparse._SubParsersAction):
+            chosen: argparse.ArgumentParser = action.choices[command]
+            return chosen
+    raise AssertionError("ddpbus's parser has no subcommands")
 
 
 def _flags(parser: argparse.ArgumentParser, command: str) -> dict[str, argparse.Action]:
     """The flags (and positionals) of one subcommand, by destination."""
-    for action in parser._actions:  # argparse lists its subcommands only here
-        if isinstance(action, argparse._SubParsersAction):
-            return {a.dest: a for a in action.choices[command]._actions}
-    raise AssertionError("ddpbus's parser has no subcommands")
+    return {a.dest: a for a in subparser(parser, command)._actions}
 
 
 def _from_env(flag: argparse.Action, text: str) -> Any:
@@ -97,7 +157,9 @@ def _from_env(flag: argparse.Action, text: str) -> Any:
 
 def merge_env(parser: argparse.ArgumentParser, args: argparse.Namespace,
               environ: Mapping[str, str]) -> argparse.Namespace:
-    """Fill unset flags from ``DDPBUS_*`` variables; refuse unknown ones."""
+    """Fill unset flags from ``DDPBUS_*`` variables (and the NATS URL from ``NATS_URL``, then
+    the default); refuse unknown ones, under the subcommand's usage."""
+    parser = subparser(parser, args.command)
     known = GLOBAL_ENV | {v for table in ENV_VARS.values() for v in table.values()}
     unknown = sorted(k for k in environ if k.startswith("DDPBUS_") and k not in known
                      and not service_link(k, known))
@@ -114,21 +176,22 @@ def merge_env(parser: argparse.ArgumentParser, args: argparse.Namespace,
               "named like the setting; set enableServiceLinks: false on the pod)",
               file=sys.stderr)
         environ = {k: v for k, v in environ.items() if k not in linked}
-    if args.log_level is None:
+    if getattr(args, "log_level", None) is None:
         # `ddpbus run` shows its own progress and table; its processes log to files
         quiet = "WARNING" if args.command == "run" else "INFO"
         args.log_level = environ.get("DDPBUS_LOG_LEVEL", quiet).upper()
-        levels = next(a.choices for a in parser._actions if a.dest == "log_level")
-        if levels is not None and args.log_level not in levels:
+        if args.log_level not in LEVELS:
             parser.error(f"DDPBUS_LOG_LEVEL={environ['DDPBUS_LOG_LEVEL']!r}: not one of "
-                         f"{', '.join(levels)}")
-    flags = _flags(parser, args.command)
+                         f"{', '.join(LEVELS)} (any case)")
+    flags = {a.dest: a for a in parser._actions}
     for dest, var in ENV_VARS.get(args.command, {}).items():
         if getattr(args, dest, None) is None and var in environ:
             try:
                 setattr(args, dest, _from_env(flags[dest], environ[var]))
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"{var}={environ[var]!r}: {exc}")
+    if "nats" in flags and getattr(args, "nats", None) is None:
+        args.nats = environ.get("NATS_URL") or DEFAULT_NATS
     return args
 
 
@@ -142,10 +205,29 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     try:
         return RUNNERS[args.command](args)
     except ConfigError as exc:
-        parser.error(str(exc))
+        subparser(parser, args.command).error(str(exc))
     except DdpbusError as exc:
-        log.error("%s", exc)  # noqa: TRY400 - a known failure, said in one line
-        return 1
+        return _failed(args.command, str(exc))
+    except KeyboardInterrupt:
+        print(file=sys.stderr)  # past the ^C the terminal echoed
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # `ddpbus sub | head`: the reader has all it wanted; the exit status says nothing
+        # went wrong, and the flush at exit must not complain about the closed pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception as exc:
+        if args.command in TRACEBACKS:
+            raise
+        log.debug("the traceback", exc_info=True)
+        return _failed(args.command, f"unexpected {type(exc).__name__}: {exc} (a bug in "
+                       "ddpbus, or a failure it does not yet explain; rerun with --log-level "
+                       "debug for the traceback)")
+
+
+def _failed(command: str, why: str) -> int:
+    print(f"ddpbus {command}: {' '.join(why.split())}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

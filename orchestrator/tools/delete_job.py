@@ -38,7 +38,7 @@ from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
 from ddpbus.orchestrator.persist import bundles
 from ddpbus.orchestrator.persist.lease import parse as parse_lease
-from ddpbus.orchestrator.tools.status import NoSuchJob
+from ddpbus.orchestrator.persist.recording import NoSuchJob
 from ddpbus.orchestrator.transport.auth import Access, access
 
 LISTEN: Final = 2.5  # seconds of listening for beats: every process beats once a second

@@ -21,7 +21,10 @@ BACKENDS = ("auto", "nccl", "gloo", "broker")
 NATS_LOGIN_ENV = {f"nats_{field}": var for field, var in NATS_AUTH_ENV.items()}
 # ... and of a command that reads one job
 READER_ENV = {"job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL", "key_file": "DDPBUS_KEY_FILE",
-              **NATS_LOGIN_ENV}
+              "timeout": "DDPBUS_TIMEOUT", **NATS_LOGIN_ENV}
+# how long a command that reads (or deletes) a job tries to reach NATS: a person is waiting;
+# the job's own processes keep trying for 30 s (a pod may start before the server)
+TIMEOUT_S = 5.0
 
 
 def nats_login(p: argparse.ArgumentParser) -> None:
@@ -47,12 +50,22 @@ def nats_access(args: argparse.Namespace, identity: str) -> Access:
     """The command's NATS URL, credentials and identity (files checked now)."""
     fields = {field: getattr(args, f"nats_{field}", None) for field in NATS_AUTH_ENV}
     auth = NatsAuth(**fields) if any(v is not None for v in fields.values()) else None
-    return Access(url=args.nats, auth=auth, identity=identity)
+    within = None
+    if hasattr(args, "timeout"):  # the commands that read or delete a job
+        within = TIMEOUT_S if args.timeout is None else args.timeout
+    return Access(url=args.nats, auth=auth, identity=identity, connect_within=within)
 
 
 def job_and_server(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job", type=argtypes.job, help="job name (env DDPBUS_JOB)")
-    p.add_argument("--nats", help="NATS URL (env DDPBUS_NATS_URL)")
+    p.add_argument("--nats", metavar="URL", help="NATS URL (env DDPBUS_NATS_URL, then "
+                   "NATS_URL; default nats://127.0.0.1:4222)")
+
+
+def timeout(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--timeout", type=argtypes.positive_float, metavar="SECONDS",
+                   help=f"give up reaching NATS after this long (env DDPBUS_TIMEOUT; default "
+                   f"{TIMEOUT_S:g})")
 
 
 def reader(p: argparse.ArgumentParser) -> None:
@@ -60,6 +73,7 @@ def reader(p: argparse.ArgumentParser) -> None:
     verifies every message and the coordinator's snapshot)."""
     job_and_server(p)
     p.add_argument("--key-file", type=Path, help="the job key (env DDPBUS_KEY_FILE)")
+    timeout(p)
     nats_login(p)
 
 

@@ -19,15 +19,11 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 
 from ddpbus.codecs import Decoder
 from ddpbus.codecs import subjects as sj
-from ddpbus.codecs.errors import DdpbusError
 from ddpbus.orchestrator.core.state import State
 from ddpbus.orchestrator.persist import bundles, journal, snapshot
 from ddpbus.orchestrator.persist.lease import parse as parse_lease
+from ddpbus.orchestrator.persist.recording import NoSuchJob
 from ddpbus.orchestrator.transport.auth import Access, access
-
-
-class NoSuchJob(DdpbusError, LookupError):
-    """The broker holds no such job."""
 
 
 async def _get(kv: Any, key: str) -> bytes | None:

@@ -28,6 +28,7 @@ from ddpbus.codecs import DecodeError, Decoder, convert, tensor
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import ConfigError
+from ddpbus.orchestrator.persist import recording
 from ddpbus.orchestrator.transport.auth import Access
 
 MAX_LIST = 8  # longer sequences are shown by their length only
@@ -245,6 +246,11 @@ class Sub:
         nc = await self.nats.connect(self.job, name=f"ddpbus-sub-{self.job}")
         try:
             if self.since is None:
+                try:  # live traffic may come yet: say so, and listen anyway
+                    await recording.stream_info(nc.jetstream(), self.job)
+                except recording.NoSuchJob as exc:
+                    print(f"ddpbus sub: {exc}; listening for its traffic anyway",
+                          file=sys.stderr, flush=True)
                 await self._live(nc, subject, decoder)
             else:
                 await self._stored(nc, subject, decoder, self.since)
@@ -268,7 +274,7 @@ class Sub:
     async def _stored(self, nc: Any, subject: str, decoder: Decoder, since: Since) -> None:
         js = nc.jetstream()
         stream = sj.stream_name(self.job)
-        info = await js.stream_info(stream)
+        info = await recording.stream_info(js, self.job)
         last = info.state.last_seq
         config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
                                 opt_start_seq=since.seq) if since.seq is not None else \

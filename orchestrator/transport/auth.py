@@ -30,6 +30,7 @@ import secrets
 import ssl
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Final
 
@@ -297,11 +298,15 @@ class Access:
     url: str
     auth: NatsAuth | None = None
     identity: str = OBSERVER
+    connect_within: float | None = None
+    """seconds to keep trying the first connect (None: the bus's default, 30 s)"""
 
     def as_identity(self, identity: str) -> Access:
         return replace(self, identity=identity)
 
     async def connect(self, job: str, *, name: str, **options: Any) -> Client:
+        if self.connect_within is not None:
+            options.setdefault("deadline", timedelta(seconds=self.connect_within))
         return await bus.connect(self.url, name=name, auth=self.auth,
                                  inbox_prefix=sj.inbox_prefix(job, self.identity), **options)
 

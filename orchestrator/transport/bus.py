@@ -122,7 +122,11 @@ class _ErrorLog:
             log.error("%s: refused by the NATS server: %s", self.name, text)
         else:
             self.outage += 1
-            if self.outage == 1:  # one line per outage, not one per attempt
+            if self.outage == 1 and not self.connected:
+                # the first connect: its failure, if it lasts, is raised as BusUnavailable
+                log.debug("%s: NATS not reached yet (%s: %s); retrying", self.name,
+                          type(exc).__name__, text)
+            elif self.outage == 1:  # one line per outage, not one per attempt
                 log.warning("%s: NATS connection trouble (%s: %s); reconnecting", self.name,
                             type(exc).__name__, text)
 
@@ -205,8 +209,10 @@ async def connect(url: str, *, name: str, deadline: timedelta = timedelta(second
             raise BusUnavailable(f"NATS at {redact(url)} refused {name}'s login ({why}): "
                                  "check its credentials (--nats-nkey, --nats-user, "
                                  "--nats-creds or the URL) and --nats-tls-ca") from exc
-        raise BusUnavailable(f"cannot reach NATS at {redact(url)} within {deadline}: {exc}"
-                             ) from exc
+        raise BusUnavailable(f"cannot reach NATS at {redact(url)} within "
+                             f"{deadline.total_seconds():g} s ({type(exc).__name__}: {exc}); "
+                             "is the server up, and is the URL (--nats, DDPBUS_NATS_URL or "
+                             "NATS_URL) right?") from exc
     raise BusUnavailable(f"cannot reach NATS at {redact(url)}")  # pragma: no cover
 
 

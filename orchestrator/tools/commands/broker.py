@@ -28,6 +28,13 @@ ENV = {
 }
 log = logging.getLogger("ddpbus.cli")
 
+# shown under the subcommand's --help
+EXAMPLES = (
+    'ddpbus broker --port 4222 --store /var/lib/ddpbus     # an open broker',
+    'ddpbus broker --auth creds/ --job digits --world-size 2  # per-identity logins',
+    'ddpbus broker --port 0 --monitor-port 8222              # a free port; /varz',
+)
+
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     broker: argparse.ArgumentParser = sub.add_parser(

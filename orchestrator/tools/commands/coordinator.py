@@ -28,6 +28,14 @@ ENV = {
     **flags.NATS_LOGIN_ENV,
 }
 
+# shown under the subcommand's --help
+EXAMPLES = (
+    'ddpbus coordinator examples/digits.py:spec --job digits --world-size 2 \\',
+    '    --key-file job.key --nats nats://nats:4222 --metrics-port 9464',
+    'ddpbus coordinator examples/digits.py:spec --standby ...   # a hot standby',
+    'ddpbus coordinator examples/digits.py:spec --resume old-job ...',
+)
+
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     coord: argparse.ArgumentParser = sub.add_parser(

@@ -11,7 +11,15 @@ from ddpbus.orchestrator.tools import flags
 from ddpbus.orchestrator.transport.auth import COORDINATOR
 
 NAME = "delete-job"
-ENV = {"job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL", **flags.NATS_LOGIN_ENV}
+ENV = {"job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL", "timeout": "DDPBUS_TIMEOUT",
+       **flags.NATS_LOGIN_ENV}
+
+# shown under the subcommand's --help
+EXAMPLES = (
+    'ddpbus delete-job --job digits --dry-run   # what would go',
+    'ddpbus delete-job --job digits --nats nats://nats:4222 --nats-nkey coordinator.nk',
+    'ddpbus delete-job --job digits --force     # one that never finished',
+)
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -27,6 +35,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "finished too (never a running one)")
     delete.add_argument("--dry-run", action="store_true", help="say what would be deleted, "
                         "delete nothing")
+    flags.timeout(delete)
     flags.nats_login(delete)
     return delete
 

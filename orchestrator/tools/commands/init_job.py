@@ -14,6 +14,12 @@ NAME = "init-job"
 ENV = {"job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL", "world_size": "DDPBUS_WORLD_SIZE",
        **flags.NATS_LOGIN_ENV}
 
+# shown under the subcommand's --help
+EXAMPLES = (
+    'ddpbus init-job --job digits --world-size 2 --nats nats://nats:4222',
+    'NATS_URL=nats://nats:4222 ddpbus init-job --job digits --world-size 2',
+)
+
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     init: argparse.ArgumentParser = sub.add_parser(

@@ -12,6 +12,12 @@ from ddpbus.orchestrator.transport.auth import OBSERVER
 NAME = "replay"
 ENV = flags.READER_ENV
 
+# shown under the subcommand's --help
+EXAMPLES = (
+    'ddpbus replay --job digits --key-file job.key',
+    'ddpbus replay --job digits --key-file job.key --speed 10   # 10x the recorded pace',
+)
+
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(

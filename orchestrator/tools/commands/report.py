@@ -13,6 +13,11 @@ from ddpbus.orchestrator.transport.auth import OBSERVER
 NAME = "report"
 ENV = flags.READER_ENV
 
+# shown under the subcommand's --help
+EXAMPLES = (
+    'ddpbus report --job digits --key-file job.key --out report/   # report/index.html',
+)
+
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(

@@ -12,6 +12,13 @@ NAME = "run"
 ENV = {"workers": "DDPBUS_WORKERS", "out": "DDPBUS_OUT", "policy": "DDPBUS_POLICY",
        "backend": "DDPBUS_BACKEND"}
 
+# shown under the subcommand's --help
+EXAMPLES = (
+    'ddpbus run examples/digits.py:spec --workers 2',
+    'ddpbus run my_job.py:spec --workers 4 --policy async --epochs 10',
+    'ddpbus run my_job.py:spec --epochs 40 --resume ddpbus-runs/<job>',
+)
+
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     run_: argparse.ArgumentParser = sub.add_parser(

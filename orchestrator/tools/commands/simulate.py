@@ -14,6 +14,12 @@ from ddpbus.orchestrator.transport.auth import OBSERVER
 NAME = "simulate"
 ENV = {**flags.READER_ENV, "ranks": "DDPBUS_WORLD_SIZE"}
 
+# shown under the subcommand's --help
+EXAMPLES = (
+    'ddpbus simulate --ranks 256 --rate 20 --job sim --key-file job.key',
+    'ddpbus simulate --ranks 64 --speeds lognormal:0.5 --kill 4@30 --job sim --key-file job.key',
+)
+
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     sim: argparse.ArgumentParser = sub.add_parser(

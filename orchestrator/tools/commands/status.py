@@ -12,6 +12,13 @@ from ddpbus.orchestrator.transport.auth import OBSERVER
 NAME = "status"
 ENV = flags.READER_ENV
 
+# shown under the subcommand's --help
+EXAMPLES = (
+    'ddpbus status --job digits --key-file job.key',
+    'ddpbus status --job digits --key-file job.key --json --timeout 2',
+    'ddpbus status --job digits --key-file job.key --nats nats://nats:4222 --nats-nkey observer.nk',
+)
+
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(

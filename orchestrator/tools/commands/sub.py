@@ -12,6 +12,14 @@ from ddpbus.orchestrator.transport.auth import OBSERVER
 NAME = "sub"
 ENV = flags.READER_ENV
 
+# shown under the subcommand's --help
+EXAMPLES = (
+    'ddpbus sub --job digits --key-file job.key                  # live, every subject',
+    'ddpbus sub --job digits --key-file job.key --since 10m --rank 0',
+    "ddpbus sub 'timing.>' --job digits --key-file job.key --json --count 5",
+    'NATS_URL=nats://nats:4222 ddpbus sub --job digits --key-file job.key --since 1 --follow',
+)
+
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(

@@ -22,6 +22,13 @@ ENV = {
 # up to 30 s each) before it dumps its threads' stacks and exits 1 regardless
 EXIT_GRACE = timedelta(seconds=90)
 
+# shown under the subcommand's --help
+EXAMPLES = (
+    'ddpbus worker examples/digits.py:spec --rank 0 --job digits --world-size 2 \\',
+    '    --key-file job.key --nats nats://nats:4222 --out /vol/out',
+    'DDPBUS_RANK=1 DDPBUS_JOB=digits ... ddpbus worker   # every flag has its variable',
+)
+
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     worker: argparse.ArgumentParser = sub.add_parser(
