@@ -23,8 +23,10 @@ NATS_LOGIN_ENV = {f"nats_{field}": var for field, var in NATS_AUTH_ENV.items()}
 READER_ENV = {"job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL", "key_file": "DDPBUS_KEY_FILE",
               "timeout": "DDPBUS_TIMEOUT", **NATS_LOGIN_ENV}
 # how long a command that reads (or deletes) a job tries to reach NATS: a person is waiting;
-# the job's own processes keep trying for 30 s (a pod may start before the server)
+# init-job, often an init container, 30 s; the job's own processes wait longer still (a
+# coordinator 30 s, a worker 300 s for its job to be there: pods start in any order)
 TIMEOUT_S = 5.0
+INIT_TIMEOUT_S = 30.0
 
 
 def nats_login(p: argparse.ArgumentParser) -> None:
@@ -50,9 +52,9 @@ def nats_access(args: argparse.Namespace, identity: str) -> Access:
     """The command's NATS URL, credentials and identity (files checked now)."""
     fields = {field: getattr(args, f"nats_{field}", None) for field in NATS_AUTH_ENV}
     auth = NatsAuth(**fields) if any(v is not None for v in fields.values()) else None
-    within = None
-    if hasattr(args, "timeout"):  # the commands that read or delete a job
-        within = TIMEOUT_S if args.timeout is None else args.timeout
+    within = getattr(args, "timeout", None)
+    if within is None:
+        within = getattr(args, "timeout_default", None)
     return Access(url=args.nats, auth=auth, identity=identity, connect_within=within)
 
 
@@ -62,10 +64,11 @@ def job_and_server(p: argparse.ArgumentParser) -> None:
                    "NATS_URL; default nats://127.0.0.1:4222)")
 
 
-def timeout(p: argparse.ArgumentParser) -> None:
+def timeout(p: argparse.ArgumentParser, default: float = TIMEOUT_S) -> None:
     p.add_argument("--timeout", type=argtypes.positive_float, metavar="SECONDS",
                    help=f"give up reaching NATS after this long (env DDPBUS_TIMEOUT; default "
-                   f"{TIMEOUT_S:g})")
+                   f"{default:g})")
+    p.set_defaults(timeout_default=default)  # --timeout stays None: a variable may set it
 
 
 def reader(p: argparse.ArgumentParser) -> None:

@@ -194,3 +194,33 @@ def test_edit_distance() -> None:
     assert edits("DDPBUS_JBO", "DDPBUS_JOB") == 1  # a swap is one edit
     assert edits("kitten", "sitting") == 3
     assert edits("", "abc") == 3
+
+
+def test_version_and_the_log_level_anywhere_in_any_case(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--version"])
+    assert exc.value.code == 0
+    assert re.fullmatch(r"ddpbus \S+ \(wire schema v\d+, Python [\d.]+\)\n",
+                        capsys.readouterr().out)
+    for argv, level in [(["--log-level", "debug", "status"], "DEBUG"),
+                        (["status", "--log-level", "Warning"], "WARNING"),
+                        (["--log-level", "error", "status", "--log-level", "info"], "INFO"),
+                        (["run", "x.py:spec"], "WARNING"), (["status"], "INFO")]:
+        assert merge_env(parser, parser.parse_args(argv), {}).log_level == level, argv
+    args = merge_env(parser, parser.parse_args(["status"]), {"DDPBUS_LOG_LEVEL": "error"})
+    assert args.log_level == "ERROR"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["status", "--log-level", "loud"])
+    assert "invalid choice: 'LOUD'" in capsys.readouterr().err
+
+
+def test_every_subcommands_help_ends_with_examples_of_it() -> None:
+    for command, sub in _subcommands().items():
+        text = sub.format_help()
+        assert "\nexamples:\n" in text, command
+        examples = text.split("\nexamples:\n", 1)[1].splitlines()
+        assert examples, command
+        assert all(line.startswith("  ") for line in examples), (command, examples)
+        assert any(f"ddpbus {command}" in line for line in examples), (command, examples)

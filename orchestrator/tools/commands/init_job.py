@@ -12,7 +12,7 @@ from ddpbus.orchestrator.transport.auth import COORDINATOR, Access
 
 NAME = "init-job"
 ENV = {"job": "DDPBUS_JOB", "nats": "DDPBUS_NATS_URL", "world_size": "DDPBUS_WORLD_SIZE",
-       **flags.NATS_LOGIN_ENV}
+       "timeout": "DDPBUS_TIMEOUT", **flags.NATS_LOGIN_ENV}
 
 # shown under the subcommand's --help
 EXAMPLES = (
@@ -29,6 +29,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     flags.job_and_server(init)
     init.add_argument("--world-size", type=argtypes.positive, help="number of ranks "
                       "(env DDPBUS_WORLD_SIZE)")
+    flags.timeout(init, flags.INIT_TIMEOUT_S)  # an init container may start before NATS
     flags.nats_login(init)
     return init
 
