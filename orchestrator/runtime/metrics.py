@@ -5,6 +5,11 @@ large cohort costs O(ranks) every 100 ms, not per report); per-batch timings com
 Batch reports as they are handled; counters follow the decisions (averages, deaths,
 rejoins) and every refusal: the codec's (decode, signature, fencing, oversize) and the
 core's. The HTTP server runs on prometheus-client's own thread and only reads.
+
+Names follow Prometheus's conventions: base units (``_seconds``, never milliseconds),
+``_total`` on counters, and the job in a ``ddpbus_job`` label: a label ``job`` would collide
+with the scrape target's own ``job`` label and reach queries as ``exported_job``. The Grafana
+dashboard beside the chart (helm/dashboards/ddpbus.json) queries these names.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from ddpbus.orchestrator.core.state import Record, State
 log = logging.getLogger(__name__)
 
 RANK = ("rank",)
+JOB = "ddpbus_job"  # not "job": Prometheus's target label (see the module's docstring)
 
 
 class CoordinatorMetrics:
@@ -29,20 +35,21 @@ class CoordinatorMetrics:
         r = self.registry
 
         def gauge(name: str, text: str, labels: tuple[str, ...] = ()) -> Gauge:
-            return Gauge(name, text, ("job", *labels), registry=r)
+            return Gauge(name, text, (JOB, *labels), registry=r)
 
         self._rank_gauges = {
             "samples_per_second": gauge("ddpbus_rank_samples_per_second",
                                         "samples per second of each rank (El Che's smoothed "
                                         "speed)", RANK),
-            "batch_ms": gauge("ddpbus_rank_batch_ms", "last reported batch compute time",
-                              RANK),
-            "data_ms": gauge("ddpbus_rank_data_ms", "last reported batch data-loading time",
-                             RANK),
+            "batch_seconds": gauge("ddpbus_rank_batch_seconds", "last reported batch "
+                                   "compute time", RANK),
+            "data_seconds": gauge("ddpbus_rank_data_seconds", "last reported batch "
+                                  "data-loading time", RANK),
             "loss": gauge("ddpbus_rank_loss", "last reported training loss", RANK),
             "divergence": gauge("ddpbus_rank_divergence", "divergence at the last average",
                                 RANK),
-            "count": gauge("ddpbus_rank_batch_count", "El Che's batches per window", RANK),
+            "count": gauge("ddpbus_rank_window_batches", "El Che's batches per window",
+                           RANK),
             "alive": gauge("ddpbus_rank_alive", "1 while the rank is a live member", RANK),
             "generation": gauge("ddpbus_rank_generation", "the rank's admitted generation",
                                 RANK),
@@ -55,21 +62,21 @@ class CoordinatorMetrics:
         self.alive = gauge("ddpbus_alive_ranks", "live members")
         self.pending = gauge("ddpbus_jetstream_pending_messages", "stream messages the "
                              "coordinator has not read yet (JetStream consumer lag)")
-        self.rounds = Counter("ddpbus_averaging_rounds", "averages sent", ("job",),
+        self.rounds = Counter("ddpbus_averaging_rounds", "averages sent", (JOB,),
                               registry=r)
         self.failed_rounds = Counter("ddpbus_averaging_failed_rounds", "averages a collective "
-                                     "failure undid", ("job",), registry=r)
+                                     "failure undid", (JOB,), registry=r)
         self.average_seconds = Histogram(
-            "ddpbus_average_duration_seconds", "SyncNow to the last SyncAck", ("job",),
+            "ddpbus_average_duration_seconds", "SyncNow to the last SyncAck", (JOB,),
             registry=r, buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
                                  10, 30))
-        self.deaths = Counter("ddpbus_dead_ranks", "ranks declared dead", ("job",),
+        self.deaths = Counter("ddpbus_dead_ranks", "ranks declared dead", (JOB,),
                               registry=r)
         self.rejoins = Counter("ddpbus_rejoined_ranks", "restarted ranks taken back",
-                               ("job",), registry=r)
+                               (JOB,), registry=r)
         self.rejections = Counter("ddpbus_rejections", "inputs refused, by reason (codec: "
                                   "decode, bad-signature, stale-generation, oversize, ...; "
-                                  "core: duplicate-id, dead-rank, ...)", ("job", "reason"),
+                                  "core: duplicate-id, dead-rank, ...)", (JOB, "reason"),
                                   registry=r)
         self.rank_rejections = gauge("ddpbus_rank_rejections", "messages a rank refused "
                                      "(bad-signature, stale-generation, ...), by reason, as "
@@ -81,7 +88,7 @@ class CoordinatorMetrics:
                                      "holds, after the last compaction pass")
         self.purged = Counter("ddpbus_stream_purged_messages", "messages compaction removed "
                               "from the job stream, by subject class (telemetry, rank, "
-                              "broadcast; subjects.md, Retention)", ("job", "class"),
+                              "broadcast; subjects.md, Retention)", (JOB, "class"),
                               registry=r)
         self.job = job
         self._seen_refusals: dict[str, int] = {}
@@ -94,8 +101,8 @@ class CoordinatorMetrics:
 
     def on_batch(self, msg: m.Batch) -> None:
         labels = (self.job, str(msg.rank))
-        self._rank_gauges["batch_ms"].labels(*labels).set(msg.batch_ms)
-        self._rank_gauges["data_ms"].labels(*labels).set(msg.data_ms)
+        self._rank_gauges["batch_seconds"].labels(*labels).set(msg.batch_ms / 1000)
+        self._rank_gauges["data_seconds"].labels(*labels).set(msg.data_ms / 1000)
         if msg.batch_loss is not None:
             self._rank_gauges["loss"].labels(*labels).set(msg.batch_loss)
 

@@ -3,6 +3,7 @@ Kubernetes schemas offline, refuse bad values, and keep the chart README complet
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,8 @@ VALUE_SETS: dict[str, list[str]] = {
     "inline-spec": ["spec.inline=from x import spec"],
     "configmap-spec": ["spec.configMap.name=my-spec", "spec.configMap.key=train.py"],
     "existing-key": ["jobKey.existingSecret=my-job-key"],
-    "service-monitor": ["coordinator.metrics.serviceMonitor.enabled=true"],
+    "service-monitor": ["coordinator.metrics.serviceMonitor.enabled=true",
+                        "coordinator.metrics.dashboard.enabled=true"],
     "bundle-volume": ["worker.bundleClaim=bundles-rwx", "training.resume=old-job"],
     "wire-json": ["training.wireJson=true"],
     "broker-backend": ["training.backend=broker", "worker.gpu.enabled=false"],
@@ -392,7 +394,8 @@ def test_the_dockerfile_is_what_a_reviewer_expects() -> None:
     assert "download.pytorch.org/whl/cpu" in stages["base-cpu"]
     assert stages["base-gpu"].split()[0].startswith("nvidia/cuda:")
     final = stages["image"]
-    assert "-c constraints.txt" in final, "install without the pinned constraints"
+    assert "-c requirements/constraints.txt" in final, "install without the lock's pins"
+    assert '".[train,report,server,examples]"' in final, "an image that cannot train"
     lines = [x.strip() for x in final.splitlines()]
     user = max(i for i, x in enumerate(lines) if x.startswith("USER "))
     entry = max(i for i, x in enumerate(lines) if x.startswith("ENTRYPOINT "))
@@ -401,3 +404,18 @@ def test_the_dockerfile_is_what_a_reviewer_expects() -> None:
     assert lines[entry] == 'ENTRYPOINT ["ddpbus"]'
     assert "COPY --from=src /src/examples/ /opt/ddpbus/examples/" in final  # default spec
     assert not re.search(r"(?m)^ADD\s+https?://", text), "ADD of a URL"
+
+
+def test_the_grafana_dashboard_configmap_carries_the_shipped_json(helm: Path) -> None:
+    def boards(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [d for d in by_kind(docs, "ConfigMap")
+                if d["metadata"]["name"] == "train-ddpbus-dashboard"]
+
+    assert not boards(render(helm, []))
+    [board] = boards(render(helm, ["coordinator.metrics.dashboard.enabled=true",
+                                   "coordinator.metrics.dashboard.labels.team=ml"]))
+    # the label Grafana's dashboard sidecar looks for, and the platform team's own
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert board["metadata"]["labels"]["team"] == "ml"
+    shipped = (CHART / "dashboards" / "ddpbus.json").read_text()
+    assert json.loads(board["data"]["ddpbus.json"]) == json.loads(shipped)

@@ -75,11 +75,11 @@ def _two_ranks_training(got: dict[str, dict[tuple[tuple[str, str], ...], float]]
     for rank in ("0", "1"):
         labels = (job_label, ("rank", rank))
         assert got["ddpbus_rank_samples_per_second"][labels] > 0
-        assert got["ddpbus_rank_batch_ms"][labels] > 0
-        assert got["ddpbus_rank_data_ms"][labels] >= 0
+        assert got["ddpbus_rank_batch_seconds"][labels] > 0
+        assert got["ddpbus_rank_data_seconds"][labels] >= 0
         assert got["ddpbus_rank_alive"][labels] == 1
         assert got["ddpbus_rank_generation"][labels] == 1
-        assert got["ddpbus_rank_batch_count"][labels] >= 1
+        assert got["ddpbus_rank_window_batches"][labels] >= 1
         assert labels in got["ddpbus_rank_loss"]
 
 
@@ -100,7 +100,7 @@ def test_metrics_during_a_run(broker: EmbeddedBroker, tmp_path: Path) -> None:
         # both ranks admitted and training (so rank 1 fences the coordinator's generation)
         while True:
             with contextlib.suppress(OSError):  # the endpoint may still be starting
-                if len(scrape(port).get("ddpbus_rank_batch_ms", {})) == 2:
+                if len(scrape(port).get("ddpbus_rank_batch_seconds", {})) == 2:
                     break
             assert time.monotonic() < deadline, job.dump()
             time.sleep(0.1)  # poll interval of a deadline-bound wait
@@ -111,13 +111,13 @@ def test_metrics_during_a_run(broker: EmbeddedBroker, tmp_path: Path) -> None:
             refused = got.get("ddpbus_rejections_total", {})
             fenced = got.get("ddpbus_rank_rejections", {})
             purged = got.get("ddpbus_stream_purged_messages_total", {})
-            telemetry = purged.get((("class", "telemetry"), ("job", "scraped")), 0)
+            telemetry = purged.get((("class", "telemetry"), ("ddpbus_job", "scraped")), 0)
             if (rounds >= 2 and len(refused) >= 2 and fenced and telemetry > 0
-                    and len(got.get("ddpbus_rank_batch_ms", {})) == 2):
+                    and len(got.get("ddpbus_rank_batch_seconds", {})) == 2):
                 break
             assert time.monotonic() < deadline, got
             time.sleep(0.1)  # poll interval of a deadline-bound wait
-        job_label = ("job", "scraped")
+        job_label = ("ddpbus_job", "scraped")
         _two_ranks_training(got, job_label)
         assert got["ddpbus_anchor"][(job_label,)] >= 1
         assert got["ddpbus_global_step"][(job_label,)] > 0
