@@ -12,7 +12,12 @@ and subscribe exactly what its role needs (subjects.md, "Identities and permissi
   ``live.coordinator`` and ``data.consensus``; on JetStream it may read its own durable
   consumer (never create or change one), write only its own generation counter, the
   rendezvous keys and the bundle manifest in KV, and use the two Object Stores;
-- the observer subscribes to ``ddpbus.<job>.>`` and may read the job's resources.
+- the observer subscribes to ``ddpbus.<job>.>`` and may read the job's resources, with
+  ddpbus's tools or natscli's stream readers (``nats stream view``, ``nats sub --stream``,
+  ``nats consumer next``, given ``--inbox-prefix _INBOX.<job>.observer``): it may create,
+  pull from, ack and delete consumers of its own on the job's stream, by any name but the
+  job's durables (the coordinator's and each rank's: a pull or an ack there would take
+  their messages), which its publish deny list names.
 
 Every identity gets its own reply-inbox prefix (``_INBOX.<job>.<identity>``): a rank cannot
 read the replies, and so the pull-consumer deliveries, of another.
@@ -57,12 +62,39 @@ def identities(world_size: int) -> list[str]:
 class Permissions:
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
+    publish_deny: tuple[str, ...] = ()  # carved out of a wildcard of ``publish``
 
     def as_config(self) -> dict[str, Any]:
-        """The nats-server ``permissions`` value (allow lists only: what is not listed is
-        refused, and no delivery-time deny check can drop a message the role needs)."""
-        return {"publish": {"allow": list(self.publish)},
-                "subscribe": {"allow": list(self.subscribe)}}
+        """The nats-server ``permissions`` value: allow lists (what is not listed is
+        refused) and, for publishing only, a deny list (a subscribe deny would be checked at
+        delivery and could drop a message the role needs)."""
+        publish: dict[str, list[str]] = {"allow": list(self.publish)}
+        if self.publish_deny:
+            publish["deny"] = list(self.publish_deny)
+        return {"publish": publish, "subscribe": {"allow": list(self.subscribe)}}
+
+
+def durable_deny(stream: str, consumer: str) -> list[str]:
+    """What nobody but its owner may do to the durable ``consumer`` of ``stream``: create or
+    change it, pull from it, ack its deliveries, delete it."""
+    return [f"$JS.API.CONSUMER.CREATE.{stream}.{consumer}",
+            f"$JS.API.CONSUMER.CREATE.{stream}.{consumer}.>",
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{consumer}",
+            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}",
+            f"$JS.API.CONSUMER.DELETE.{stream}.{consumer}",
+            f"$JS.ACK.{stream}.{consumer}.>"]
+
+
+def observer_stream_reads(stream: str) -> list[str]:
+    """The JetStream calls of natscli's and nats.py's stream readers on ``stream``:
+    consumers by name (the current API: ``CONSUMER.CREATE.<stream>.<name>[.<filter>]``) or
+    the legacy ephemeral create, pulls, acks, flow control and clean-up."""
+    return ["$JS.API.INFO", f"$JS.API.STREAM.INFO.{stream}",
+            f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.*",
+            f"$JS.API.CONSUMER.CREATE.{stream}.*.>", f"$JS.API.CONSUMER.INFO.{stream}.*",
+            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*", f"$JS.API.CONSUMER.DELETE.{stream}.*",
+            f"$JS.ACK.{stream}.>", f"$JS.FC.{stream}.>",
+            f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>"]
 
 
 def _streams(job: str) -> dict[str, str]:
@@ -93,9 +125,11 @@ def _read_kv(job: str) -> list[str]:
             f"$JS.FC.{kv}.>"]
 
 
-def permissions(job: str, identity: str, *, resume_from: Sequence[str] = ()) -> Permissions:
+def permissions(job: str, identity: str, *, resume_from: Sequence[str] = (),
+                world_size: int = 0) -> Permissions:
     """The allow lists of ``identity`` in ``job``; ``resume_from``: earlier jobs on the same
-    broker whose bundles this run may read (``--resume JOB``)."""
+    broker whose bundles this run may read (``--resume JOB``); ``world_size``: its ranks,
+    whose durables the observer's deny list names."""
     sj.check_job(job)
     res = _streams(job)
     inbox = f"{sj.inbox_prefix(job, identity)}.>"
@@ -118,11 +152,12 @@ def permissions(job: str, identity: str, *, resume_from: Sequence[str] = ()) -> 
                sj.DATA_RANK.wildcard(job), inbox]
         return Permissions(_unique(pub), _unique(sub))
     if identity == OBSERVER:
-        pub = [f"$JS.API.STREAM.INFO.{res['stream']}", f"$JS.API.CONSUMER.CREATE.{res['stream']}",
-               f"$JS.API.CONSUMER.INFO.{res['stream']}.*", f"$JS.FC.{res['stream']}.>",
-               f"$JS.API.DIRECT.GET.{res['stream']}", f"$JS.API.DIRECT.GET.{res['stream']}.>",
-               *_read_kv(job), *_read_objects(job), *earlier]
-        return Permissions(_unique(pub), (sj.job_wildcard(job), inbox))
+        stream = res["stream"]
+        pub = [*observer_stream_reads(stream), *_read_kv(job), *_read_objects(job), *earlier]
+        deny = [x for name in (sj.COORDINATOR_CONSUMER, *(sj.rank_consumer(r)
+                                                         for r in range(world_size)))
+                for x in durable_deny(stream, name)]
+        return Permissions(_unique(pub), (sj.job_wildcard(job), inbox), _unique(deny))
     rank = sj.sender_rank(identity)
     if rank is None or identity != sj.rank_consumer(rank):
         raise ConfigError(f"unknown identity {identity!r}: coordinator, observer or rank-<N>")
@@ -192,7 +227,8 @@ def write_credentials(directory: Path, job: str, world_size: int, *,
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     names = identities(world_size)
     users = [{"nkey": public_key(_seed(seed_path(directory, name))),
-              "permissions": permissions(job, name, resume_from=resume_from).as_config()}
+              "permissions": permissions(job, name, resume_from=resume_from,
+                                         world_size=world_size).as_config()}
              for name in names]
     # the nats-server config format accepts JSON values
     text = ("# generated by ddpbus for job " + job + ": one nkey user per identity\n"
@@ -342,4 +378,10 @@ def chart_permissions() -> dict[str, Any]:
             "publish": mark(base.publish), "subscribe": mark(base.subscribe),
             "resume": {"publish": mark(x for x in more.publish if x not in base.publish),
                        "subscribe": mark(x for x in more.subscribe if x not in base.subscribe)}}
+    # the observer's deny list: the coordinator's durable, and per rank (the chart repeats
+    # "perRank" for each, @RANK@ filled in)
+    observer = permissions(job, OBSERVER)
+    result["observer"]["publishDeny"] = mark(observer.publish_deny)
+    result["observer"]["publishDenyPerRank"] = mark(
+        durable_deny(sj.stream_name(job), sj.rank_consumer(rank)))
     return result

@@ -64,7 +64,8 @@ def test_the_rendered_permissions_are_the_python_ones(helm: Path, resume: str,
     users = nats_users(docs)
     assert list(users) == auth.identities(3)  # and nobody else: no anonymous login
     for identity, user in users.items():
-        want = auth.permissions("perm-job", identity, resume_from=earlier).as_config()
+        want = auth.permissions("perm-job", identity, resume_from=earlier,
+                                world_size=3).as_config()
         assert user["permissions"] == want, identity
         assert set(user) == {"user", "password", "permissions"}
 

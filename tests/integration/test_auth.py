@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import shutil
 import subprocess
 import sys
@@ -336,3 +337,111 @@ def test_the_coordinators_identity_deletes_its_job(secured: tuple[str, Path]) ->
     after = delete_job(url, JOB, "--nats-nkey", str(creds / "coordinator.nk"))
     assert after.returncode == 1
     assert f"the broker holds no job {JOB!r}" in after.stderr
+
+
+async def _api(me: Login, subject: str, body: dict[str, object] | None = None
+               ) -> dict[str, object]:
+    """One JetStream API request, answered without error (on the identity's own inbox)."""
+    msg = await me.nc.request(subject, json.dumps(body or {}).encode(), timeout=WAIT_S)
+    reply: dict[str, object] = json.loads(msg.data)
+    assert "error" not in reply, (subject, reply, me.errors)
+    return reply
+
+
+def _consumer(name: str, **config: object) -> dict[str, object]:
+    return {"stream_name": STREAM, "action": "create",
+            "config": {"name": name, "deliver_policy": "all", "ack_policy": "none",
+                       "mem_storage": True, "num_replicas": 1,
+                       "inactive_threshold": 30_000_000_000, **config}}
+
+
+async def _kept_off_the_jobs_durables(observer: Login) -> None:
+    """Never the job's durables (a pull or an ack there takes a rank's messages), never the
+    job's subjects."""
+    nc = observer.nc
+    for durable in ("coordinator", "rank-0", "rank-1"):
+        for subject in (f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{durable}",
+                        f"$JS.API.CONSUMER.CREATE.{STREAM}.{durable}",
+                        f"$JS.API.CONSUMER.CREATE.{STREAM}.{durable}.{P}.control.all",
+                        f"$JS.API.CONSUMER.DELETE.{STREAM}.{durable}",
+                        f"$JS.ACK.{STREAM}.{durable}.1.1.1.1.0"):
+            await nc.publish(subject, b"{}")
+            await nc.flush()
+            await observer.refused("publish", subject)
+    await nc.publish(f"{P}.control.all", b"forged")
+    await nc.flush()
+    await observer.refused("publish", f"{P}.control.all")
+
+
+async def _natscli_reads(url: str, creds: Path) -> None:
+    coordinator = await login(url, creds, "coordinator")
+    observer = await login(url, creds, "observer")
+    nc = observer.nc
+    try:
+        js = coordinator.nc.jetstream()
+        await ensure_job(js, JOB, 2)
+        first = (await js.stream_info(STREAM)).state.last_seq + 1
+        for i in range(3):
+            await js.publish(f"{P}.control.all", f"m{i}".encode())
+        tail = {"opt_start_seq": first, "deliver_policy": "by_start_sequence"}
+
+        # `nats stream view`: account and stream info, a named pull consumer, a page of
+        # messages, the consumer deleted
+        await _api(observer, "$JS.API.INFO")
+        await _api(observer, f"$JS.API.STREAM.INFO.{STREAM}")
+        await _api(observer, f"$JS.API.CONSUMER.CREATE.{STREAM}.view1", _consumer("view1",
+                                                                                 **tail))
+        page = await nc.subscribe(nc.new_inbox())
+        await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.view1",
+                         json.dumps({"batch": 3, "expires": 5_000_000_000}).encode(),
+                         reply=page.subject)
+        got = [(await page.next_msg(timeout=WAIT_S)).data for _ in range(3)]
+        assert got == [b"m0", b"m1", b"m2"]
+        await _api(observer, f"$JS.API.CONSUMER.DELETE.{STREAM}.view1")
+
+        # `nats sub --stream SUBJECT`: an ordered push consumer filtered on the subject (the
+        # filter ends the create subject), with idle heartbeats and flow control answered
+        deliver = await nc.subscribe(nc.new_inbox())
+        await _api(observer, f"$JS.API.CONSUMER.CREATE.{STREAM}.ord1.{P}.control.all",
+                   _consumer("ord1", deliver_subject=deliver.subject, flow_control=True,
+                             idle_heartbeat=1_000_000_000, filter_subject=f"{P}.control.all",
+                             max_deliver=1, **tail))
+        data: list[bytes] = []
+        while len(data) < 3:
+            msg = await deliver.next_msg(timeout=WAIT_S)
+            if msg.headers and msg.headers.get("Status") == "100":  # heartbeat or FC
+                if msg.reply:
+                    await nc.publish(msg.reply, b"")
+                continue
+            data.append(msg.data)
+        assert data == [b"m0", b"m1", b"m2"]
+        await _api(observer, f"$JS.API.CONSUMER.DELETE.{STREAM}.ord1")
+
+        # `nats consumer add` + `nats consumer next`: a durable of its own, pulled and acked
+        await _api(observer, f"$JS.API.CONSUMER.CREATE.{STREAM}.tail",
+                   _consumer("tail", durable_name="tail", ack_policy="explicit", **tail))
+        await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.tail",
+                         json.dumps({"batch": 1}).encode(), reply=page.subject)
+        one = await page.next_msg(timeout=WAIT_S)
+        assert one.data == b"m0"
+        await nc.request(one.reply, b"+ACK", timeout=WAIT_S)  # `next` acks, and waits
+        state = await _api(observer, f"$JS.API.CONSUMER.INFO.{STREAM}.tail")
+        assert state["num_ack_pending"] == 0
+        assert state["num_pending"] == 2
+        await _api(observer, f"$JS.API.CONSUMER.DELETE.{STREAM}.tail")
+
+        await _kept_off_the_jobs_durables(observer)
+        # rank 0's durable still holds the three messages for rank 0, none taken
+        rank0 = await js.consumer_info(STREAM, sj.rank_consumer(0))
+        assert rank0.num_pending >= 3
+        assert rank0.num_ack_pending == 0
+    finally:
+        await observer.nc.close()
+        await coordinator.nc.close()
+
+
+def test_natscli_stream_readers_work_with_the_observer_login(secured: tuple[str, Path]
+                                                             ) -> None:
+    """The JetStream calls of `nats stream view`, `nats sub --stream` and `nats consumer
+    next` (with `--inbox-prefix _INBOX.<job>.observer`), made by nats.py as the observer."""
+    asyncio.run(_natscli_reads(*secured))

@@ -72,14 +72,25 @@ them equal), placeholders filled in here; training.resume adds read access to th
 {{- end -}}
 {{- $resume := include "ddpbus.resumeJob" .root -}}
 {{- $all := .root.Files.Get "files/permissions.json" | fromJson -}}
-{{- $p := index $all $role | toRawJson | replace "@JOB@" (include "ddpbus.job" .root) | replace "@RANK@" $rank | replace "@RESUME@" $resume | fromJson -}}
+{{- $raw := index $all $role -}}
+{{- $job := include "ddpbus.job" .root -}}
+{{- $p := $raw | toRawJson | replace "@JOB@" $job | replace "@RANK@" $rank | replace "@RESUME@" $resume | fromJson -}}
 {{- $pub := $p.publish -}}
 {{- $sub := $p.subscribe -}}
 {{- if $resume -}}
 {{- $pub = concat $pub $p.resume.publish | uniq -}}
 {{- $sub = concat $sub $p.resume.subscribe | uniq -}}
 {{- end -}}
-{{- toRawJson (dict "publish" (dict "allow" $pub) "subscribe" (dict "allow" $sub)) -}}
+{{- $publish := dict "allow" $pub -}}
+{{- if hasKey $raw "publishDeny" -}}
+{{- /* the observer: never the job's durables (the coordinator's, each rank's) */ -}}
+{{- $deny := $p.publishDeny -}}
+{{- range $r := until (int .root.Values.training.workers) -}}
+{{- $deny = concat $deny ($raw.publishDenyPerRank | toRawJson | replace "@JOB@" $job | replace "@RANK@" (toString $r) | fromJsonArray) -}}
+{{- end -}}
+{{- $_ := set $publish "deny" $deny -}}
+{{- end -}}
+{{- toRawJson (dict "publish" $publish "subscribe" (dict "allow" $sub)) -}}
 {{- end -}}
 
 {{/* the bundled server's authorization block: one user per identity, no anonymous login
