@@ -130,10 +130,18 @@ def test_the_nats_url_comes_from_the_flag_then_ddpbus_nats_url_then_nats_url(
         assert f"cannot reach NATS at {used} " in one_line(out.stderr, "ddpbus status: "), env
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt(argv: list[str], ready: str) -> subprocess.CompletedProcess[str]:
     """Start ``ddpbus ARGV``, wait for ``ready`` on its stderr, then Ctrl-C it."""
+    # Ctrl-C reaches a process only where SIGINT is not ignored, and a suite started in the
+    # background (`make test &`, nohup, some CI runners) hands its children SIGINT ignored:
+    # Python then installs no KeyboardInterrupt handler. Give the command what a terminal
+    # gives it (a flake hunt under nohup saw every one of these tests hang on that).
     proc = subprocess.Popen([*CLI, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=_default_sigint)  # noqa: PLW1509
     assert proc.stderr is not None
     seen: list[str] = []
     try:
