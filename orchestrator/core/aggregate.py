@@ -91,6 +91,10 @@ def aggregate_epoch(epoch: int, chunks: Mapping[int, Sequence[m.MetricsMsg]], wo
                          else sum(v for v, _ in weighted) / len(weighted))
     epoch_ms = pool_wall_ms if pool_wall_ms is not None else max(
         (s.time_ms for s in sums), default=0.0)
+    # one loss per rank, or none: the schema's "empty when unknown" (a NaN hole would read
+    # as a loss on the wire); a rank with no finite loss leaves avg_loss to the others
+    losses = tuple(s.loss() for s in sums)
+    per_rank_loss = losses if all(math.isfinite(x) for x in losses) else ()
     return m.EpochMetrics(
         epoch=epoch,
         avg_loss=(sum(s.loss_sum for s in sums) / loss_batches) if loss_batches else math.nan,
@@ -105,6 +109,6 @@ def aggregate_epoch(epoch: int, chunks: Mapping[int, Sequence[m.MetricsMsg]], wo
         per_rank_compute_only_ms=tuple(s.compute_only_ms for s in sums),
         per_rank_data_starve_ms=tuple(s.data_starve_ms for s in sums),
         device_indices=tuple(device_indices),
-        per_rank_loss=tuple(s.loss() for s in sums),
+        per_rank_loss=per_rank_loss,
         per_rank_samples=tuple(s.samples for s in sums),
     )
