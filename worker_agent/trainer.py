@@ -41,6 +41,7 @@ from ddpbus.orchestrator.core.coalesce import ReportBuffer
 from ddpbus.worker_agent import averaging, callbacks, checkpoint
 from ddpbus.worker_agent.callbacks import Outcome
 from ddpbus.worker_agent.data import BatchFetcher, plan_indices
+from ddpbus.worker_agent.resources import ResourceProbe
 from ddpbus.worker_agent.spec import (
     ScalarLedger,
     TrainSpec,
@@ -150,6 +151,7 @@ class Trainer(threading.Thread):
         self.rank = settings.rank
         self.inbox: queue.SimpleQueue[m.ControlMsg | Halt | Consensus] = queue.SimpleQueue()
         self.device = settings.device
+        self.resources = ResourceProbe(self.device)
         self.dataset = spec.build_dataset()
         self.eval_dataset = spec.build_eval_dataset()
         self.fetch = BatchFetcher(self.dataset, spec.collate_fn)
@@ -663,7 +665,7 @@ class Trainer(threading.Thread):
             samples_processed=plan.batches * run.batch_size,
             share_complete_ms=plan.compute_ms + plan.data_ms,
             compute_only_ms=plan.compute_ms, data_starve_ms=plan.data_ms,
-            scalars=self.ledger.drain())
+            scalars=self.ledger.drain(), resources=self.resources.sample())
         for msg, durable in self._reports.metrics(metrics):  # now, or held (reports.py)
             self.outbox(msg, durable=durable)
 

@@ -666,6 +666,8 @@ class Coordinator:
             latest = m.batches(body)
             if latest:  # the gauges show a rank's latest batch
                 self.metrics.on_batch(latest[-1])
+        if self.metrics is not None and isinstance(body, m.MetricsMsg):
+            self.metrics.on_resources(body)
         if body is not None:
             if not await self.apply(event_of(body, msg_id), seq, stored_at,
                                     journal.Wire(msg.subject, msg.headers or {}, msg.data,

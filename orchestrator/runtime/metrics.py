@@ -54,6 +54,18 @@ class CoordinatorMetrics:
             "generation": gauge("ddpbus_rank_generation", "the rank's admitted generation",
                                 RANK),
             "batches": gauge("ddpbus_rank_batches_trained", "batches the rank trained", RANK),
+            # from each rank's MetricsMsg.resources, once per epoch share
+            "cpu": gauge("ddpbus_rank_cpu_ratio", "the rank's CPU time over wall time (1 = "
+                         "one core busy)", RANK),
+            "rss": gauge("ddpbus_rank_resident_memory_bytes", "the rank's resident memory",
+                         RANK),
+            "ram": gauge("ddpbus_rank_machine_memory_bytes", "its machine's memory", RANK),
+            "gpu": gauge("ddpbus_rank_gpu_utilization_ratio", "its GPU's utilisation "
+                         "(NVML; absent without it)", RANK),
+            "vram": gauge("ddpbus_rank_gpu_memory_allocated_bytes", "GPU memory torch "
+                          "holds for the rank", RANK),
+            "vram_total": gauge("ddpbus_rank_gpu_memory_total_bytes", "its GPU's memory",
+                                RANK),
         }
         self.anchor = gauge("ddpbus_anchor", "El Che's anchor (batches of the slowest rank "
                             "per window)")
@@ -105,6 +117,21 @@ class CoordinatorMetrics:
         self._rank_gauges["data_seconds"].labels(*labels).set(msg.data_ms / 1000)
         if msg.batch_loss is not None:
             self._rank_gauges["loss"].labels(*labels).set(msg.batch_loss)
+
+    def on_resources(self, msg: m.MetricsMsg) -> None:
+        r = msg.resources
+        if r is None:
+            return
+        labels = (self.job, str(msg.rank))
+        g = self._rank_gauges
+        g["cpu"].labels(*labels).set(r.cpu_percent / 100)
+        g["rss"].labels(*labels).set(r.ram_used_bytes)
+        g["ram"].labels(*labels).set(r.ram_total_bytes)
+        for key, value, scale in (("gpu", r.gpu_util_percent, 100), ("vram",
+                                  r.vram_allocated_bytes, 1), ("vram_total",
+                                  r.vram_total_bytes, 1)):
+            if value is not None:
+                g[key].labels(*labels).set(value / scale)
 
     def on_record(self, record: Record) -> None:
         if record.event == "average":

@@ -83,6 +83,16 @@ def _two_ranks_training(got: dict[str, dict[tuple[tuple[str, str], ...], float]]
         assert labels in got["ddpbus_rank_loss"]
 
 
+def _resources_reported(got: dict[str, dict[tuple[tuple[str, str], ...], float]],
+                        job_label: tuple[str, str]) -> None:
+    for rank in ("0", "1"):  # each rank's MetricsMsg.resources (CPU workers: no GPU)
+        labels = (job_label, ("rank", rank))
+        assert got["ddpbus_rank_cpu_ratio"][labels] > 0
+        assert 0 < got["ddpbus_rank_resident_memory_bytes"][labels] < got[
+            "ddpbus_rank_machine_memory_bytes"][labels]
+        assert labels not in got.get("ddpbus_rank_gpu_utilization_ratio", {})
+
+
 def test_metrics_during_a_run(broker: EmbeddedBroker, tmp_path: Path) -> None:
     # a run that outlasts the scrapes (rank 1's fenced count comes with a heartbeat): CI saw
     # an 8-epoch run at slowdown 3 end before it on a loaded machine, and a 20-epoch one
@@ -113,7 +123,8 @@ def test_metrics_during_a_run(broker: EmbeddedBroker, tmp_path: Path) -> None:
             purged = got.get("ddpbus_stream_purged_messages_total", {})
             telemetry = purged.get((("class", "telemetry"), ("ddpbus_job", "scraped")), 0)
             if (rounds >= 2 and len(refused) >= 2 and fenced and telemetry > 0
-                    and len(got.get("ddpbus_rank_batch_seconds", {})) == 2):
+                    and len(got.get("ddpbus_rank_batch_seconds", {})) == 2
+                    and len(got.get("ddpbus_rank_cpu_ratio", {})) == 2):
                 break
             assert time.monotonic() < deadline, got
             time.sleep(0.1)  # poll interval of a deadline-bound wait
@@ -133,6 +144,7 @@ def test_metrics_during_a_run(broker: EmbeddedBroker, tmp_path: Path) -> None:
         # rank 1 refused the deposed coordinator's Shutdown, and its heartbeat said so
         assert fenced[(job_label, ("rank", "1"), ("reason", "stale-generation"))] == 1
         assert got["ddpbus_dead_ranks_total"][(job_label,)] == 0
+        _resources_reported(got, job_label)
         summary = job.wait()
     finally:
         job.kill()

@@ -25,6 +25,12 @@ def _fed() -> CoordinatorMetrics:
     metrics = CoordinatorMetrics("digits")
     metrics.on_batch(m.Batch(rank=0, step_count=1, batch_ms=12.5, data_ms=2.0,
                              batch_loss=0.7))
+    metrics.on_resources(m.MetricsMsg(
+        rank=0, epoch=0, avg_loss=0.7, batches_processed=1, epoch_ms=1.0,
+        samples_processed=8, share_complete_ms=1.0, compute_only_ms=1.0, data_starve_ms=0.0,
+        resources=m.ResourceSample(cpu_percent=150.0, ram_used_bytes=2**30,
+                                   ram_total_bytes=2**34, gpu_util_percent=80.0,
+                                   vram_total_bytes=2**36, vram_allocated_bytes=2**33)))
     metrics.on_record(Record("average"))
     metrics.on_record(Record("averaged", {"reduce_ms": 30.0}))
     metrics.on_record(Record("rank-dead"))
@@ -62,6 +68,9 @@ def test_names_labels_and_units_follow_prometheus_conventions() -> None:
     assert got["ddpbus_averaging_rounds_total"].value == 1
     assert got["ddpbus_average_duration_seconds_sum"].value == 0.03
     assert got["ddpbus_rejections_total"].labels["reason"] == "bad-signature"
+    assert got["ddpbus_rank_cpu_ratio"].value == 1.5  # a ratio, not a percentage
+    assert got["ddpbus_rank_gpu_utilization_ratio"].value == 0.8
+    assert got["ddpbus_rank_resident_memory_bytes"].value == 2**30
 
 
 def _exported() -> set[str]:
