@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from jobs import KEY, Job, spec, start_job, wait_for
+from jobs import KEY, Job, chaos_job, freeze, spec, start_job, wait_for
 from nats.js.errors import NotFoundError
 
 from ddpbus.codecs import Encoder
@@ -202,3 +202,23 @@ def test_a_job_whose_coordinator_died_before_deciding_anything_starts_again(
     assert summary["ok"], summary
     assert summary["decode_rejections"] == {"bad-signature": 1}
     assert "reading it again from the start" in job.log("coordinator-b")
+
+
+def test_a_rank_whose_coordinator_falls_silent_exits(broker: EmbeddedBroker,
+                                                     tmp_path: Path) -> None:
+    """CoordHeartbeat stops (the coordinator frozen: its connection stays up, it says
+    nothing): the rank gives up after the run's coordinator_timeout and exits non-zero,
+    rather than wait on a run nobody leads."""
+    job, ledger = chaos_job(broker.url, tmp_path, "silent", epochs=30, slowdown=3, workers=1,
+                            coordinator_args=["--knob", "coordinator_timeout=2"])
+    try:
+        wait_for("training", (ledger / "rank-0.txt").exists, 90)
+        freeze(job.procs["coordinator"].pid)
+        # 2 s of silence, checked every 0.5 s; the rest is the halt and the process's exit
+        code = job.procs["rank-0"].wait(timeout=60)
+    finally:
+        job.kill()  # SIGKILL reaches a stopped process
+    log = job.log("rank-0")
+    assert code != 0, log
+    assert "no word from the coordinator for" in log, log
+    assert "coordinator silent for" in log, log

@@ -178,3 +178,16 @@ def test_same_events_yield_identical_commands() -> None:
     first, second = script(Core(now=0.0)), script(Core(now=0.0))
     assert repr(first) == repr(second)
     assert any(isinstance(c, Finish) for c in first)
+
+
+def test_epoch_fn_elapsed_is_learnt_as_the_callbacks_cost_and_logged() -> None:
+    """EpochFnElapsed: the coordinator keeps an EWMA of the epoch_fn's cost per rank (the
+    slack El Che grants the rank that runs it at the next boundary) and logs each one."""
+    core = formed()
+    out = core.feed(Timing(m.EpochFnElapsed(rank=0, epoch=0, elapsed_ms=400.0)))
+    assert records(out, "epoch-fn") == [{"rank": 0, "epoch": 0, "elapsed_ms": 400.0}]
+    assert core.state.ranks[0].callback_ms["epoch_fn"] == 400.0
+    core.feed(Timing(m.EpochFnElapsed(rank=0, epoch=1, elapsed_ms=200.0)))
+    cost = core.state.ranks[0].callback_ms["epoch_fn"]
+    assert 200.0 < cost < 400.0  # smoothed, not replaced
+    assert "epoch_fn" not in core.state.ranks[1].callback_ms

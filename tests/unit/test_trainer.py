@@ -152,3 +152,35 @@ def test_a_rank_whose_average_failed_saves_and_scores_nothing_until_the_next_one
     assert rank.of(m.EvalResult)[-1].error is None
     assert (evals, checkpoints, bundles) == ([1.0], [1], [1])
     assert (tmp_path / "consensus.safetensors").exists()
+
+
+def test_a_throttled_rank_trains_nothing_more_in_its_open_window() -> None:
+    """Throttle (max_batch_diff): the rank stops in an open window with work left (until the
+    average that closes it). EvalBroadcast after it marks when the inbox was read."""
+    rank = Rank()
+    rank.put(window(plan(0, 0, 6 * BATCH)), m.Throttle(), m.EvalBroadcast(epoch=0, metric=1.0))
+    rank.trainer.start()
+    rank.wait_for(lambda: rank.trainer.ctx.last_eval is not None)
+    assert rank.trainer.throttled
+    assert rank.batches() == []  # the window is open and the plan unfinished
+    rank.stop()
+
+
+def test_epoch_aggregated_and_eval_broadcast_reach_the_users_code() -> None:
+    """EpochAggregated becomes ctx.latest_metrics, EvalBroadcast ctx.poll_eval() (once)."""
+    seen: list[tuple[Any, Any]] = []
+
+    def train_step(model: Any, b: Any) -> Any:
+        ctx = rank.trainer.ctx
+        seen.append((ctx.latest_metrics, ctx.poll_eval()))
+        return ((model(b[0]) - b[1]) ** 2).mean()
+
+    aggregated = m.EpochMetrics(epoch=4, avg_loss=0.25, epoch_ms=10.0,
+                                per_rank_loss=(0.2, 0.3))
+    rank = Rank(spec(train_step=train_step))
+    rank.put(m.EpochAggregated(metrics=aggregated), m.EvalBroadcast(epoch=4, metric=0.97),
+             window(plan(0, 0, 2 * BATCH)))
+    rank.trainer.start()
+    rank.wait_steps(2)
+    rank.stop()
+    assert seen == [(aggregated, (4, 0.97)), (aggregated, None)]
