@@ -64,6 +64,9 @@ class Schedule:
     heartbeat_timeout: timedelta = field(default=timedelta(seconds=30))
     coordinator_timeout: timedelta = field(default=timedelta(seconds=30))
     collective_timeout: timedelta | None = None  # None: heartbeat_timeout + 2 s (D.2)
+    # the backstop (D.5): an average unsettled this long, alive ranks still silent about it,
+    # ends the run (ShutdownWithSave REDUCE_STALL); None: max(10 x heartbeat_timeout, 300 s)
+    reduce_stall_timeout: timedelta | None = None
     # fault tolerance (D.2): the run ends once this many ranks died ("3") or this share
     # of the world ("25%"); None tolerates any partial loss
     max_failure: str | None = None
@@ -153,6 +156,14 @@ class Schedule:
         if self.collective_timeout is not None:
             return self.collective_timeout
         return self.heartbeat_timeout + timedelta(seconds=2)
+
+    @property
+    def effective_reduce_stall_timeout(self) -> timedelta:
+        """How long an average may stay unsettled with its alive ranks silent about it
+        (flodl's reduce-stall ceiling, D.5)."""
+        if self.reduce_stall_timeout is not None:
+            return self.reduce_stall_timeout
+        return max(10 * self.heartbeat_timeout, timedelta(seconds=300))
 
     def failure_limit(self, world_size: int) -> int | None:
         """Deaths that end the run (``max_failure``), or None for no limit."""
@@ -254,6 +265,7 @@ _PARSERS: Final[dict[str, Callable[[Any], Any]]] = {
     "heartbeat_timeout": _seconds,
     "coordinator_timeout": _seconds,
     "collective_timeout": _optional(_seconds),
+    "reduce_stall_timeout": _optional(_seconds),
     "max_failure": _optional(_failure),
     "min_world": _int,
     "eval_every": _int,
@@ -301,6 +313,8 @@ def _check(s: Schedule) -> None:
         (s.coordinator_timeout > timedelta(0), "coordinator_timeout must be positive"),
         (s.collective_timeout is None or s.collective_timeout > timedelta(0),
          "collective_timeout must be positive"),
+        (s.reduce_stall_timeout is None or s.reduce_stall_timeout > timedelta(0),
+         "reduce_stall_timeout must be positive"),
         (s.min_world >= 1, "min_world must be >= 1"),
         (s.eval_every >= 0, "eval_every must be >= 0"),
         (s.checkpoint_every >= 0, "checkpoint_every must be >= 0"),

@@ -182,6 +182,7 @@ def _tick(state: State, now: float, out: list[Command]) -> None:
     rounds.check_deadline(state, now, out)
     if state.phase in (Phase.FORMING, Phase.TRAINING, Phase.FINISHING):
         membership.check_liveness(state, now, out)
+        window.check_reduce_stall(state, now, out)
     session.maybe_done(state, now, out)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ddpbus.codecs import messages as m
-from ddpbus.orchestrator.core import duties, rounds
+from ddpbus.orchestrator.core import duties, rounds, session
 from ddpbus.orchestrator.core.aggregate import aggregate_epoch
 from ddpbus.orchestrator.core.elche import RankWindow, WindowReport, clamp_total
 from ddpbus.orchestrator.core.pools import Pool, equal_split, proportional_split
@@ -210,6 +210,25 @@ def unacked(s: State) -> RankState | None:
     if r is not None:
         s.ack_hint = r.rank
     return r
+
+
+def check_reduce_stall(s: State, now: float, out: Out) -> None:
+    """The backstop (flodl D.5): an average sent ``reduce_stall_timeout`` ago that alive
+    ranks still have not answered cannot settle (a dead peer is declared long before, and a
+    hung collective fails at ``collective_timeout``): something is wedged that no rule here
+    can undo. End the run, every rank saving, rather than wait for ever."""
+    if s.settled_round >= s.rounds or s.sync_sent_at is None:
+        return
+    stalled = now - s.sync_sent_at
+    limit = s.schedule.effective_reduce_stall_timeout.total_seconds()
+    if stalled < limit:
+        return
+    holdout = unacked(s)
+    if holdout is None:
+        return  # every alive rank answered: settling is someone else's move
+    session.end_run(s, m.SaveReason.REDUCE_STALL,
+                    f"average {s.rounds} unsettled for {stalled:.0f}s (limit {limit:.0f}s): "
+                    f"rank {holdout.rank} never answered it", now, out)
 
 
 def maybe_average(s: State, now: float, out: Out) -> None:

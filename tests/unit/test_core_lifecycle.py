@@ -191,3 +191,44 @@ def test_epoch_fn_elapsed_is_learnt_as_the_callbacks_cost_and_logged() -> None:
     cost = core.state.ranks[0].callback_ms["epoch_fn"]
     assert 200.0 < cost < 400.0  # smoothed, not replaced
     assert "epoch_fn" not in core.state.ranks[1].callback_ms
+
+
+def test_an_average_no_alive_rank_settles_ends_the_run_once_with_reduce_stall() -> None:
+    """The reduce-stall backstop (flodl D.5): rank 1 keeps beating but never answers the
+    SyncNow; past reduce_stall_timeout the run ends with ShutdownWithSave(REDUCE_STALL),
+    once, and not a moment before."""
+    core = formed(policy="cadence", progressive=False, heartbeat_timeout=5,
+                  reduce_stall_timeout=60)
+    s = core.state
+    for r in s.ranks:
+        core.train(r.rank, r.target - r.steps)
+    assert s.rounds == 1
+    sent = s.sync_sent_at
+    assert sent is not None
+    core.ack(0)
+    out: list[Command] = []
+    for t in range(1, 61):  # rank 1 alive all along (beats), silent about the average
+        out += core.feed(Timing(m.Heartbeat(rank=1, step_count=core.steps[1])), at=sent + t)
+        out += core.feed(Timing(m.Heartbeat(rank=0, step_count=core.steps[0])), at=sent + t)
+        if t < 60:
+            out += core.feed(Tick(), at=sent + t)
+    assert not sends(out, m.ShutdownWithSave)  # 59 s: still waiting
+    out = core.feed(Tick(), at=sent + 60.0)
+    [stop] = sends(out, m.ShutdownWithSave)
+    assert stop.msg.reason is m.SaveReason.REDUCE_STALL
+    [aborted] = records(out, "run-aborted")
+    assert aborted["reason"] == "REDUCE_STALL"
+    assert "rank 1 never answered" in aborted["why"]
+    assert s.outcome is not None
+    assert not s.outcome[0]
+    assert not sends(core.feed(Tick(), at=sent + 61.0), m.ShutdownWithSave)  # once
+
+
+def test_the_reduce_stall_ceiling_defaults_to_flodls() -> None:
+    from datetime import timedelta
+
+    from ddpbus.orchestrator.core.config import schedule_from
+
+    assert schedule_from({}).effective_reduce_stall_timeout == timedelta(seconds=300)
+    assert schedule_from({"heartbeat_timeout": 60}).effective_reduce_stall_timeout == \
+        timedelta(seconds=600)
