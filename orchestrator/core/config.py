@@ -49,6 +49,9 @@ class Schedule:
     max_overshoot: int | None = None  # async lookahead per window; None: derived
     # divergence guard (C.4)
     divergence_guard: bool = True
+    # the learning-rate-aware window controller (core/meta.py): may shrink the window on an
+    # LR cliff or a run of suppressed verdicts
+    window_controller: bool = True
     divergence_threshold: float | None = None  # None: 0.3 under EASGD, else 0.05
     # averaging (C.3) and LR (C.11)
     gamma: float = 1.0
@@ -255,6 +258,7 @@ _PARSERS: Final[dict[str, Callable[[Any], Any]]] = {
     "relax_up": _optional(_bool),
     "max_overshoot": _optional(_int),
     "divergence_guard": _bool,
+    "window_controller": _bool,
     "divergence_threshold": _optional(_float),
     "gamma": _float,
     "lr_scale_ratio": _float,

@@ -32,7 +32,14 @@ def settle(s: State, now: float, out: Out) -> None:
         members = set(s.round_members)
         movers = [x for x in alive if x.rank in members]
         divergences = [x.divergence for x in movers if x.divergence is not None]
-        s.pending_verdict = s.guard.observe(divergences)
+        lrs = [x.lr for x in alive if x.lr is not None]  # the ranks' LrUpdate reports
+        s.pending_verdict, why = s.meta.observe(
+            s.guard.observe(divergences), lr=max(lrs) if lrs else None,
+            anchor=s.elche.anchor, phase=s.elche.phase)
+        if why:
+            out.append(Record("window-nudge", {"round": s.rounds, "why": why,
+                                               "factor": round(s.pending_verdict.factor, 4),
+                                               "anchor": s.elche.anchor}))
         out.append(Record("averaged", {"round": s.rounds, "reduce_ms": s.reduce_ms,
                                        "divergence": max(divergences, default=0.0),
                                        "verdict": s.pending_verdict.verdict.value}))

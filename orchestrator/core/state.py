@@ -16,6 +16,7 @@ from ddpbus.codecs import messages as m
 from ddpbus.orchestrator.core.config import Schedule
 from ddpbus.orchestrator.core.elche import ElChe, GuardVerdict
 from ddpbus.orchestrator.core.guard import TrendGuard
+from ddpbus.orchestrator.core.meta import MetaController
 from ddpbus.orchestrator.core.pools import Assignment, Pool
 
 # ------------------------------------------------------------------------- events
@@ -388,6 +389,7 @@ class State:
     broker_round: BrokerRound | None = None  # the broker backend's average in flight
     snapshot_aborts: int = 0  # ranks whose snapshot missed a round's deadline
     gate_hint: int = 0  # the rank that last held the averaging gate shut (a search hint)
+    meta: MetaController = field(default_factory=MetaController)  # may shrink the window
     ack_hint: int = 0  # the rank that last had not acknowledged an average (the same)
 
     @property

@@ -51,6 +51,7 @@ def initial_state(config: CoreConfig, now: float) -> State:
                   elche=elche, guard=guard, created_at=now,
                   rank_compute_ms=[0.0] * config.world_size,
                   rank_busy_ms=[0.0] * config.world_size)
+    state.meta.enabled = s.window_controller and not s.is_sync  # sync has no window
     seed_from_bundle(state)
     return state
 
