@@ -23,6 +23,7 @@ import torch
 
 from ddpbus.codecs import messages as m
 from ddpbus.worker_agent import checkpoint
+from ddpbus.worker_agent.data import Stager
 from ddpbus.worker_agent.spec import TrainSpec, WorkerContext
 
 
@@ -62,6 +63,7 @@ class Trainer(Protocol):
     optimizer: torch.optim.Optimizer
     eval_dataset: Any
     ctx: WorkerContext
+    stager: Stager
 
     @property
     def spec(self) -> TrainSpec: ...
@@ -269,8 +271,11 @@ def handle(trainer: Trainer, msg: m.ControlMsg) -> Outcome | None:
                   "through the broker (changes nothing)", trainer.rank,
                   trainer.active_run().backend.value)
     elif isinstance(msg, m.StageAdvisory):
-        log.debug("rank %d: StageAdvisory noted (this rank has no background stager)",
-                  trainer.rank)
+        run = trainer.active_run()
+        named = trainer.stager.advise(msg, dataset_size=run.dataset_size, seed=run.seed)
+        log.debug("rank %d: StageAdvisory of %d samples (%s)", trainer.rank, named,
+                  "staged ahead" if trainer.stager.hook is not None
+                  else "the dataset has no stage()")
     else:
         log.error("rank %d: unexpected %s refused", trainer.rank, type(msg).__name__)
     return None

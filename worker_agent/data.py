@@ -10,6 +10,8 @@ per-sample indexing plus ``default_collate`` otherwise.
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
@@ -17,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import TensorDataset, default_collate
+
+log = logging.getLogger(__name__)
 
 
 @lru_cache(maxsize=4)
@@ -48,3 +52,59 @@ class BatchFetcher:
         items = (self.dataset.__getitems__(indices.tolist()) if self._batched
                  else [self.dataset[int(i)] for i in indices])
         return self.collate(items)
+
+
+class Stager:
+    """The rank's side of StageAdvisory: a dataset with a ``stage(indices)`` method (one
+    reading from disk or the network, say) hears the sample indices an epoch's advised
+    spans will read, in the advisory's walk order (this rank's own spans first, then the
+    others', which it may be handed), from a background thread, to read them ahead while
+    the rank trains. Latest wins: an advisory that comes while one is being staged waits
+    for it and replaces any other waiting. A dataset without ``stage`` (in memory, like a
+    TensorDataset) has nothing to read ahead; the advisory is still kept (``latest``)."""
+
+    def __init__(self, dataset: Any) -> None:
+        hook = getattr(dataset, "stage", None)
+        self.hook: Callable[[np.ndarray[Any, np.dtype[np.int64]]], Any] | None = \
+            hook if callable(hook) else None
+        self.latest: Any = None  # the last StageAdvisory
+        self.staged = 0  # indices handed to the hook so far
+        self._waiting: np.ndarray[Any, np.dtype[np.int64]] | None = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def advise(self, advisory: Any, *, dataset_size: int, seed: int) -> int:
+        """Take one StageAdvisory; returns how many indices it names."""
+        self.latest = advisory
+        parts = [plan_indices(dataset_size, seed, seg.epoch, span.offset, span.size)
+                 for seg in advisory.segments for span in seg.spans
+                 if span.size > 0 and 0 <= span.offset <= dataset_size - span.size]
+        walk = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        if self.hook is None or walk.size == 0:
+            return int(walk.size)
+        with self._lock:
+            self._waiting = walk
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="ddpbus-stager",
+                                                daemon=True)
+                self._thread.start()
+        return int(walk.size)
+
+    def join(self, timeout: float | None = None) -> None:
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def _run(self) -> None:
+        hook = self.hook
+        while hook is not None:
+            with self._lock:
+                walk, self._waiting = self._waiting, None
+                if walk is None:
+                    return
+            try:
+                hook(walk)
+                self.staged += int(walk.size)
+            except Exception:  # a hint failed: training reads the samples as it would
+                log.warning("the dataset's stage() failed; training goes on without it",
+                            exc_info=True)

@@ -47,7 +47,9 @@ class TrainSpec:
     - ``optimizer(params)`` -> ``torch.optim.Optimizer``;
     - ``train_step(model, batch)`` -> scalar loss tensor (ddpbus runs backward and step);
     - ``dataset``: any indexable dataset (``len`` + ``__getitem__``), or a zero-argument
-      callable returning one;
+      callable returning one; one with a ``stage(indices)`` method hears, from a
+      background thread at each epoch's start, the samples the epoch's plans will read
+      (this rank's first), to read them ahead (the coordinator's StageAdvisory);
     - ``lr_scheduler(world_size)`` -> a pure function ``step -> lr`` (global step); ddpbus
       multiplies it by the LR scale ``1 + (world - 1) * lr_scale_ratio``;
     - ``eval_fn(model, eval_dataset)`` -> float (e.g. accuracy), run on one elected rank

@@ -40,7 +40,7 @@ from ddpbus.codecs import messages as m
 from ddpbus.orchestrator.core.coalesce import ReportBuffer
 from ddpbus.worker_agent import averaging, callbacks, checkpoint
 from ddpbus.worker_agent.callbacks import Outcome
-from ddpbus.worker_agent.data import BatchFetcher, plan_indices
+from ddpbus.worker_agent.data import BatchFetcher, Stager, plan_indices
 from ddpbus.worker_agent.resources import ResourceProbe
 from ddpbus.worker_agent.spec import (
     ScalarLedger,
@@ -153,6 +153,7 @@ class Trainer(threading.Thread):
         self.device = settings.device
         self.resources = ResourceProbe(self.device)
         self.dataset = spec.build_dataset()
+        self.stager = Stager(self.dataset)  # StageAdvisory's reader-ahead
         self.eval_dataset = spec.build_eval_dataset()
         self.fetch = BatchFetcher(self.dataset, spec.collate_fn)
         self.model = spec.model().to(self.device)

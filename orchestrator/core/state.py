@@ -390,6 +390,7 @@ class State:
     snapshot_aborts: int = 0  # ranks whose snapshot missed a round's deadline
     gate_hint: int = 0  # the rank that last held the averaging gate shut (a search hint)
     meta: MetaController = field(default_factory=MetaController)  # may shrink the window
+    advised_epoch: int = -1  # the latest epoch whose StageAdvisory went out
     ack_hint: int = 0  # the rank that last had not acknowledged an average (the same)
 
     @property

@@ -425,6 +425,33 @@ def open_window(s: State, now: float, out: Out) -> None:
                                     plans=broadcast)))
     if s.broker:
         out += rounds.fold_plans(s, plans)
+    advise(s, plans, counts, out)
+
+
+def advise(s: State, plans: list[m.RankPlan], counts: dict[int, int], out: Out) -> None:
+    """StageAdvisory (flodl's data-staging hint), when a window starts an epoch: to each
+    rank given work of it, El Che's counts (rank order; 0 for a rank not alive) and the
+    epoch's spans in walk order, its own first, then the other ranks' (which it may be
+    handed when they die or fall behind), for its data stager to read ahead. Once per
+    epoch, not per window: at scale a per-rank message each window would cost what riding
+    the plans in one broadcast saves."""
+    fresh = sorted({p.plan.epoch for p in plans if p.plan.epoch > s.advised_epoch})
+    if not fresh:
+        return
+    s.advised_epoch = fresh[-1]
+    spans: dict[int, list[tuple[int, m.Span]]] = {}
+    for p in plans:
+        if p.plan.epoch in fresh:
+            spans.setdefault(p.rank, []).append(
+                (p.plan.epoch, m.Span(offset=p.plan.partition_offset,
+                                      size=p.plan.partition_size)))
+    order = tuple(counts.get(r.rank, 0) if r.alive else 0 for r in s.ranks)
+    for rank, own in sorted(spans.items()):
+        others = [x for other, theirs in sorted(spans.items()) if other != rank for x in theirs]
+        # one segment per epoch for its own spans, then one per epoch for the others'
+        segments = [m.Segment(epoch=e, spans=tuple(sp for ep, sp in part if ep == e))
+                    for part in (own, others) for e in fresh if any(ep == e for ep, _ in part)]
+        out.append(Send(m.StageAdvisory(counts=order, segments=tuple(segments)), rank=rank))
 
 
 def _available(s: State, *, stream: bool) -> int:

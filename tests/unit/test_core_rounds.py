@@ -361,3 +361,33 @@ def test_the_guard_threshold_defaults_to_0_3_under_easgd_only() -> None:
         assert schedule_from(overwrite).divergence_threshold == 0.05
     assert schedule_from({"backend": "broker", "policy": "async",
                           "divergence_threshold": 0.1}).divergence_threshold == 0.1
+
+
+def test_each_epochs_first_window_advises_every_rank_of_its_spans_own_first() -> None:
+    """StageAdvisory, once per epoch: to each rank with work, El Che's counts and the
+    epoch's spans, its own first; the epoch's later windows send none."""
+
+    core = Core(policy="cadence", progressive=False, epochs=3)
+    out = core.form()
+    advisories = {c.rank: c.msg for c in sends(out, m.StageAdvisory)}
+    plans = {p.rank: p.plan for c in sends(out, m.SetGlobalStep) for p in c.msg.plans}
+    assert set(advisories) == set(plans) == {0, 1}
+    for rank, advisory in advisories.items():
+        assert len(advisory.counts) == 2
+        own, other = advisory.segments
+        assert own.epoch == other.epoch == 0
+        assert own.spans == (m.Span(offset=plans[rank].partition_offset,
+                                    size=plans[rank].partition_size),)
+        theirs = plans[1 - rank]
+        assert other.spans == (m.Span(offset=theirs.partition_offset,
+                                      size=theirs.partition_size),)
+    s = core.state
+    seen: list[int] = []
+    while s.epoch < 2:
+        for r in s.ranks:
+            out = core.train(r.rank, r.target - r.steps)
+            seen += [c.msg.segments[0].epoch for c in sends(out, m.StageAdvisory)]
+        for r in (0, 1):
+            out = core.ack(r)
+            seen += [c.msg.segments[0].epoch for c in sends(out, m.StageAdvisory)]
+    assert seen == [1, 1, 2, 2]  # one per rank at each epoch's start, none in between

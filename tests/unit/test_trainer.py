@@ -184,3 +184,39 @@ def test_epoch_aggregated_and_eval_broadcast_reach_the_users_code() -> None:
     rank.wait_steps(2)
     rank.stop()
     assert seen == [(aggregated, (4, 0.97)), (aggregated, None)]
+
+
+def test_a_stage_advisory_reaches_a_dataset_that_can_read_ahead() -> None:
+    """StageAdvisory: a dataset with stage(indices) hears the advised spans' samples in
+    walk order (own first), from the stager's thread; one without keeps training as is."""
+    import numpy as np
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from ddpbus.worker_agent.data import plan_indices
+
+    class Staging(TensorDataset):
+        def __init__(self, *tensors: torch.Tensor) -> None:
+            super().__init__(*tensors)
+            self.asked: list[list[int]] = []
+
+        def stage(self, indices: np.ndarray) -> None:  # type: ignore[type-arg]
+            self.asked.append(indices.tolist())
+
+    base = spec().dataset
+    data = Staging(*base.tensors)
+    rank = Rank(spec(dataset=data))
+    advisory = m.StageAdvisory(counts=(2, 3), segments=(
+        m.Segment(epoch=1, spans=(m.Span(offset=0, size=BATCH),)),
+        m.Segment(epoch=1, spans=(m.Span(offset=BATCH, size=2 * BATCH),))))
+    rank.put(advisory, window(plan(0, 0, BATCH)))
+    rank.trainer.start()
+    rank.wait_steps(1)
+    rank.stop()
+    rank.trainer.stager.join(30)
+    seed = run_config().seed
+    want = (plan_indices(N, seed, 1, 0, BATCH).tolist()
+            + plan_indices(N, seed, 1, BATCH, 2 * BATCH).tolist())
+    assert data.asked == [want]
+    assert rank.trainer.stager.latest == advisory
+    assert rank.trainer.stager.staged == 3 * BATCH
