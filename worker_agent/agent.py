@@ -54,6 +54,7 @@ from ddpbus.worker_agent.trainer import Consensus, Trainer, TrainerSettings
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_REJECTED = 0, 1, 2
+STOP_GRACE_S = 5.0  # for the agent's tasks to end once cancelled, at exit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,7 +198,10 @@ class WorkerAgent:
         finally:
             self.watch.closing = True
             await live.unsubscribe()
-            await self.link.stop()
+            # bounded: a fresh-clone suite under a CPU hog once saw a rank that had said
+            # "exiting (shutdown)" wait here until its launcher's SIGTERM 30 s later (a task
+            # that swallowed its cancellation); it now exits, naming the task and its stack
+            await self.link.stop(STOP_GRACE_S)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """One of the agent's tasks under watch (:mod:`ddpbus.orchestrator.runtime.endpoint`):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -23,6 +24,8 @@ from nats.aio.client import Client
 from ddpbus.codecs import Outbound
 from ddpbus.orchestrator.runtime.tasks import Watch
 from ddpbus.orchestrator.transport import bus
+
+log = logging.getLogger(__name__)
 
 
 class Endpoint:
@@ -58,6 +61,12 @@ class Endpoint:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(grace):
                 await asyncio.gather(*tasks, return_exceptions=True)
+        for t in tasks:
+            if not t.done():  # it swallowed its cancellation: say where, and leave it
+                where = "".join(f"\n  {f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}"
+                                for f in t.get_stack())
+                log.warning("task %s did not stop within %ss of its cancellation; leaving it"
+                            "%s", t.get_name(), grace, where)
 
     def lost(self) -> bool:
         """The client's disconnect callback: the publisher holds its sends until the
