@@ -198,9 +198,9 @@ class WorkerAgent:
         finally:
             self.watch.closing = True
             await live.unsubscribe()
-            # bounded: a fresh-clone suite under a CPU hog once saw a rank that had said
-            # "exiting (shutdown)" wait here until its launcher's SIGTERM 30 s later (a task
-            # that swallowed its cancellation); it now exits, naming the task and its stack
+            # bounded: a task that swallows its cancellation (as the stream reader's wait
+            # once did, see StreamReader._wait) must not keep an exiting rank alive; one that
+            # does is named in the log with its stack
             await self.link.stop(STOP_GRACE_S)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:

@@ -438,8 +438,13 @@ class StreamReader:
         """Until a message arrives (True), or a quiet moment passes (False)."""
         arrived.clear()
         try:
-            await asyncio.wait_for(arrived.wait(), ACK_DELAY_S if self._last is not None
-                                   else 3 * self._heartbeat)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the inner result
+            # when the task is cancelled just as the wait ends (gh-86296), and a delivery
+            # arriving as the agent cancelled the reader at exit (a 503 once its durable was
+            # deleted) kept the reader, and so the rank, alive until its launcher's SIGTERM
+            async with asyncio.timeout(ACK_DELAY_S if self._last is not None
+                                       else 3 * self._heartbeat):
+                await arrived.wait()
         except TimeoutError:
             if self._last is None:
                 self._pending = 0  # the server lost our requests (restart?)

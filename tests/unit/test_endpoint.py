@@ -113,3 +113,26 @@ async def test_the_beacon_encodes_each_message_afresh_and_survives_a_failed_send
     assert sent[:3] == [0, 1, 2]
     assert beacon.cancelled()
     assert not link.watch.failed.is_set()
+
+
+async def test_a_reader_cancelled_as_a_delivery_arrives_stops() -> None:
+    """The stream reader's wait for deliveries passes a cancellation on even when a message
+    arrives at that moment (Python 3.11's wait_for returned the message instead: a rank at
+    exit, its reader cancelled as a 503 came in, lived on until SIGTERM)."""
+    import asyncio
+
+    import pytest
+
+    from ddpbus.orchestrator.transport.bus import StreamReader
+
+    async def handler(_msg: object) -> None:
+        return None
+
+    reader = StreamReader(None, "S", "rank-0", handler)  # type: ignore[arg-type]
+    arrived = asyncio.Event()
+    task = asyncio.ensure_future(reader._wait(arrived))
+    await asyncio.sleep(0)  # waiting now
+    arrived.set()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
