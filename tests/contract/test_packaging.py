@@ -152,3 +152,15 @@ def test_every_folder_with_modules_is_a_package() -> None:
             if "__pycache__" in directory.parts:
                 continue
             assert (directory / "__init__.py").exists(), f"{directory} lacks __init__.py"
+
+
+def test_the_clis_missing_extra_hints_name_real_extras() -> None:
+    from ddpbus.orchestrator.tools.cli import EXTRAS
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for module, extra in EXTRAS.items():
+        names = {_name(r) for r in extras[extra]}
+        wanted = {"sklearn": "scikit-learn", "prometheus_client": "prometheus-client"}.get(
+            module, module)
+        assert wanted in names, (module, extra)
