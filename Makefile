@@ -40,10 +40,15 @@ typecheck: install
 # The report test renders the page in Debian's Chromium where it is installed (skipped,
 # naming the package, where not); .ci/run installs it and makes its absence a failure.
 PYTEST_ARGS ?=
-# two pytest-xdist workers: the suite waits on processes and servers about half the time
+# two pytest-xdist workers: the suite waits on processes and servers about half the time.
+# worksteal, not xdist's default `load`: `load` hands each worker chunks of up to an eighth
+# of what is left and never takes a queued test back, so one worker could finish at 179 s
+# and idle while the other worked alone through a queue of process tests until 520 s
+# (measured with a start/finish timeline per worker, 2026-12-07)
 PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --dist worksteal
 pytest: install
-	$(PY) -m pytest -m "not slow" -n $(PYTEST_WORKERS) --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" $(XDIST) --durations=15 $(PYTEST_ARGS)
 
 pytest-slow: install
 	$(PY) -m pytest -m slow --durations=15 $(PYTEST_ARGS)
@@ -62,7 +67,7 @@ test-all: test pytest-slow
 # failed in any round lands in bench/results/flake-hunt-*.json
 ROUNDS ?= 5
 flake-hunt: install
-	$(PY) tests/flake_hunt.py --rounds $(ROUNDS) -- -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) tests/flake_hunt.py --rounds $(ROUNDS) -- $(XDIST) $(PYTEST_ARGS)
 
 # trains examples/digits.py on 2 CPU workers over the embedded broker and prints the result
 demo: install

@@ -4,7 +4,7 @@ with one core kept busy, and say which tests failed in which round.
 A test that fails in any round and passes in another is a flake: a bug in the test or in
 the code, to be found and fixed at its cause (never with a retry or a wider bound).
 
-    python tests/flake_hunt.py --rounds 5 -- -n 2          # what `make flake-hunt` runs
+    python tests/flake_hunt.py --rounds 5 -- -n 2 --dist worksteal   # what `make flake-hunt` runs
     python tests/flake_hunt.py --rounds 2 --no-hog -- -k publisher
     python tests/flake_hunt.py --rounds 5 --full -- -n 2   # the full chaos loops too
 
