@@ -10,6 +10,10 @@ under the same machine load:
 - worker kill: rank 1 is SIGKILLed after 4 epochs. Kill -> survivors training together
   again = the shrunk session formed; kill -> first completed average after it.
   Target <= heartbeat timeout + 2 s;
+- worker kill, advisory: the same, with the coordinator logged in to the broker's system
+  account (``--nats-system-nkey``): the broker's disconnect advisory declares the rank dead
+  once ``disconnect_grace`` (0.5 s) passes, not the heartbeat timeout. Target: kill ->
+  survivors training again <= 1 s;
 - worker restart: rank 1 is SIGKILLed and started again at once (a pod restart). Start ->
   back in the average = the first completed average after a session including it formed.
   Target <= 10 s (a Python + torch process start is most of it);
@@ -45,8 +49,8 @@ from jobs import Job, spec, start_job  # the tests' real-process job runner
 from ddpbus.orchestrator.runtime.nats_server import BrokerConfig, EmbeddedBroker
 
 HEARTBEAT_S, EPOCHS, KILL_AFTER = 2.0, 48, 4
-TARGETS = {"kill_to_training_s": HEARTBEAT_S + 2.0, "restart_to_average_s": 10.0,
-           "coordinator_kill_to_decision_s": 5.0}
+TARGETS = {"kill_to_training_s": HEARTBEAT_S + 2.0, "advisory_kill_to_training_s": 1.0,
+           "restart_to_average_s": 10.0, "coordinator_kill_to_decision_s": 5.0}
 DECISIONS = {"average", "epoch-boundary", "epoch-aggregated", "session-requested",
              "finishing", "run-complete"}
 
@@ -66,11 +70,13 @@ def _epochs_trained(ledger: Path, rank: int) -> int:
     return len({line.split()[0] for line in path.read_text().splitlines() if line.strip()})
 
 
-def _start(broker: EmbeddedBroker, tmp: Path, name: str, epochs: int) -> tuple[Job, Path]:
+def _start(broker: EmbeddedBroker, tmp: Path, name: str, epochs: int, *,
+           advisories: bool = False) -> tuple[Job, Path]:
     ledger = tmp / "ledger"
     ledger.mkdir(parents=True)
+    system = ["--nats-system-nkey", str(broker.config.system_seed)] if advisories else []
     job = start_job(broker.url, tmp, spec("chaos"), workers=3, job=name,
-                    coordinator_args=["--policy", "cadence"],
+                    coordinator_args=["--policy", "cadence", *system],
                     worker_args={r: ["--slowdown", "3"] for r in range(3)},
                     env={"LEDGER_DIR": str(ledger), "CHAOS_EPOCHS": str(epochs)},
                     final_state=False)
@@ -101,16 +107,29 @@ def undisturbed(broker: EmbeddedBroker, tmp: Path, n: int, epochs: int) -> dict[
     return {"train_s": _train_s(job)}
 
 
-def worker_kill(broker: EmbeddedBroker, tmp: Path, n: int, epochs: int) -> dict[str, float]:
-    job, ledger = _start(broker, tmp, f"kill-{n}", epochs)
+def worker_kill(broker: EmbeddedBroker, tmp: Path, n: int, epochs: int, *,
+                advisories: bool = False) -> dict[str, float]:
+    job, ledger = _start(broker, tmp, f"kill-{'adv-' if advisories else ''}{n}", epochs,
+                         advisories=advisories)
     _wait("rank 1's epochs", lambda: _epochs_trained(ledger, 1) >= KILL_AFTER)
-    job.procs["rank-1"].send_signal(signal.SIGKILL)
+    victim = job.procs.pop("rank-1")  # its exit status is the kill's
+    victim.send_signal(signal.SIGKILL)
     killed = time.time()
     events = _end(job)
+    [dead] = [e for e in events if e["event"] == "rank-dead"]
+    want = "disconnected" if advisories else "silent"
+    if dead.get("cause") != want:
+        raise RuntimeError(f"{job.name}: rank 1 died of {dead.get('cause')}, not {want}")
     formed = _first(events, killed, lambda e: e["event"] == "session-formed")
-    return {"train_s": _train_s(job), "kill_to_training_s": formed,
+    return {"train_s": _train_s(job), "kill_to_declared_s": float(dead["t"]) - killed,
+            "kill_to_training_s": formed,
             "kill_to_average_s": formed + _first(events, killed + formed,
                                                  lambda e: e["event"] == "averaged")}
+
+
+def worker_kill_advisory(broker: EmbeddedBroker, tmp: Path, n: int, epochs: int
+                         ) -> dict[str, float]:
+    return worker_kill(broker, tmp, n, epochs, advisories=True)
 
 
 def worker_restart(broker: EmbeddedBroker, tmp: Path, n: int, epochs: int
@@ -149,6 +168,7 @@ def coordinator_kill(broker: EmbeddedBroker, tmp: Path, n: int, epochs: int
 
 
 SCENARIOS = {"undisturbed": undisturbed, "worker_kill": worker_kill,
+             "worker_kill_advisory": worker_kill_advisory,
              "worker_restart": worker_restart, "coordinator_kill": coordinator_kill}
 
 
@@ -163,7 +183,8 @@ def main() -> None:
         ap.error(f"--epochs must be more than {KILL_AFTER} (the faults come after that many)")
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in SCENARIOS}
     with tempfile.TemporaryDirectory(prefix="ddpbus-bench-recovery-") as tmp, \
-            EmbeddedBroker(BrokerConfig(store_dir=Path(tmp) / "store")) as broker:
+            EmbeddedBroker(BrokerConfig(store_dir=Path(tmp) / "store",
+                                        system_seed=Path(tmp) / "system.nk")) as broker:
         for n in range(args.rounds):
             for name, scenario in SCENARIOS.items():
                 runs[name].append(scenario(broker, Path(tmp) / f"{name}-{n}", n,
@@ -174,6 +195,8 @@ def main() -> None:
     lost = {name: median([r["train_s"] - calm for r in rs])
             for name, rs in runs.items() if name != "undisturbed"}
     measured = {"kill_to_training_s": medians["worker_kill"]["kill_to_training_s"],
+                "advisory_kill_to_training_s":
+                    medians["worker_kill_advisory"]["kill_to_training_s"],
                 "restart_to_average_s": medians["worker_restart"]["restart_to_average_s"],
                 "coordinator_kill_to_decision_s":
                     medians["coordinator_kill"]["coordinator_kill_to_decision_s"]}
@@ -186,6 +209,11 @@ def main() -> None:
     for k, target in TARGETS.items():
         out.write(f"  {k:32s} {measured[k]:7.2f} s   target <= {target:4.1f} s   "
                   f"{'PASS' if doc['met'][k] else 'FAIL'}\n")
+    for name in ("worker_kill", "worker_kill_advisory"):
+        med = medians[name]
+        out.write(f"  {name:22s} kill -> declared dead {med['kill_to_declared_s']:6.2f} s, "
+                  f"-> training {med['kill_to_training_s']:6.2f} s, -> averaged "
+                  f"{med['kill_to_average_s']:6.2f} s\n")
     out.write(f"  undisturbed train time           {calm:7.2f} s\n")
     for name, s in lost.items():
         out.write(f"  train time lost, {name:16s} {s:+7.2f} s  "

@@ -298,9 +298,14 @@ MAX_REJECTION_REASONS = 64
 _REASON = re.compile(r"[a-z][a-z0-9-]{0,39}")
 
 
+#: A connection as the broker names it: its server's id (56 base32 characters in
+#: nats-server 2.x) and the client id that server gave it.
+CONNECTION: Final = re.compile(r"[A-Z0-9]{1,64}/[0-9]{1,20}")
+
+
 def _heartbeat_to_wire(x: m.Heartbeat) -> pb.TimingMsg:
     return _T(heartbeat=_T.Heartbeat(rank=x.rank, step_count=x.step_count,
-                                     rejections=dict(x.rejections)))
+                                     rejections=dict(x.rejections), connection=x.connection))
 
 
 def _heartbeat_from_wire(w: Any) -> m.Heartbeat:
@@ -309,7 +314,12 @@ def _heartbeat_from_wire(w: Any) -> m.Heartbeat:
         raise InvalidField(f"Heartbeat.rejections: at most {MAX_REJECTION_REASONS} reasons, "
                            "each lower-case letters, digits and dashes",
                            msg_type="TimingMsg.Heartbeat")
-    return m.Heartbeat(rank=w.rank, step_count=w.step_count, rejections=reasons)
+    if w.connection and not CONNECTION.fullmatch(w.connection):
+        raise InvalidField("Heartbeat.connection: '<server id>/<client id>' (upper-case "
+                           "letters and digits, a slash, digits) or empty",
+                           msg_type="TimingMsg.Heartbeat")
+    return m.Heartbeat(rank=w.rank, step_count=w.step_count, rejections=reasons,
+                       connection=w.connection)
 
 
 _INTENT_TO_WIRE: Final = {

@@ -241,6 +241,9 @@ class Heartbeat:
     step_count: int
     # what this incarnation refused so far, by reason: every refusal reaches the metrics
     rejections: Mapping[str, int] = field(default_factory=dict)
+    # the rank's NATS connection, "<server id>/<client id>" as the broker's advisories name
+    # it (see :data:`ddpbus.codecs.convert.CONNECTION`); "" where not known
+    connection: str = ""
 
 
 @_fast_init

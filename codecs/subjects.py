@@ -24,6 +24,10 @@ DUPLICATE_WINDOW: Final = timedelta(minutes=2)
 
 ALL: Final = "all"
 COORDINATOR: Final = "coordinator"
+# the coordinator's second login, to the broker's system account (its client advisories)
+SYSTEM: Final = "system"
+# its client CONNECT and DISCONNECT advisories, $SYS.ACCOUNT.<account>.(DIS)CONNECT
+CLIENT_ADVISORIES: Final = "$SYS.ACCOUNT.*.>"
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +251,19 @@ def delivery(reply: str | None) -> Delivery | None:
 def stream_subjects(job: str) -> list[str]:
     """What the job's stream captures: every ``storage == "stream"`` subject."""
     return [s.wildcard(job) for s in SUBJECTS if s.storage == "stream"]
+
+
+def rank_connection_name(job: str, rank: int) -> str:
+    """The name a rank's NATS connection gives the broker (its advisories and monitoring
+    pages show it; the coordinator reads a reconnect from it)."""
+    return f"ddpbus-{job}-rank-{rank}"
+
+
+def connection_rank(job: str, name: str) -> int | None:
+    """The rank :func:`rank_connection_name` gave ``name`` for ``job``, or None."""
+    prefix = f"ddpbus-{job}-rank-"
+    tail = name[len(prefix):] if name.startswith(prefix) else ""
+    return int(tail) if tail.isdigit() and len(tail) <= 6 else None
 
 
 def rank_consumer(rank: int) -> str:

@@ -16,7 +16,10 @@ JOB_KEY = b"test-job-key-0123456789abcdef!!"
 
 @pytest.fixture
 def broker(tmp_path: Path) -> Iterator[EmbeddedBroker]:
-    with EmbeddedBroker(BrokerConfig(port=0, store_dir=tmp_path / "store")) as b:
+    """With a system-account user (seed ``broker.config.system_seed``), as `ddpbus run`
+    starts it: a coordinator given ``--nats-system-nkey`` reads its client advisories."""
+    with EmbeddedBroker(BrokerConfig(port=0, store_dir=tmp_path / "store",
+                                     system_seed=tmp_path / "system.nk")) as b:
         yield b
 
 

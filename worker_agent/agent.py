@@ -145,7 +145,7 @@ class WorkerAgent:
             self._outbox_threadsafe)
         self.trainer = trainer
         self.loop = asyncio.get_running_loop()
-        nc = await s.nats.connect(s.job, name=f"ddpbus-{s.job}-rank-{s.rank}",
+        nc = await s.nats.connect(s.job, name=sj.rank_connection_name(s.job, s.rank),
                                deadline=s.join_timeout, on_disconnect=self._bus_lost,
                                on_reconnect=self._bus_back)
         try:
@@ -581,7 +581,8 @@ class WorkerAgent:
         s = self.settings
         return self.encoder.encode(sj.LIVE_RANK.subject(s.job, s.rank),
                                    m.Heartbeat(rank=s.rank, step_count=self.trainer.step,
-                                               rejections=dict(self.rejected)))
+                                               rejections=dict(self.rejected),
+                                               connection=bus.connection_id(self.nc)))
 
     async def _bus_lost(self) -> None:
         if self.link.lost():

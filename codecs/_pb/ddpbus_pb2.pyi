@@ -359,9 +359,14 @@ class TimingMsg(_message.Message):
         RANK_FIELD_NUMBER: _builtins.int
         STEP_COUNT_FIELD_NUMBER: _builtins.int
         REJECTIONS_FIELD_NUMBER: _builtins.int
+        CONNECTION_FIELD_NUMBER: _builtins.int
         rank: _builtins.int
         step_count: _builtins.int
         """diagnostic"""
+        connection: _builtins.str
+        """this rank's NATS connection as the broker names it, "<server id>/<client id>": the
+        coordinator matches the broker's disconnect advisories to it ("" where not known)
+        """
         @_builtins.property
         def rejections(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
             """messages this incarnation refused so far, by DecodeError reason (bad-signature, ...)"""
@@ -372,10 +377,11 @@ class TimingMsg(_message.Message):
             rank: _builtins.int = ...,
             step_count: _builtins.int = ...,
             rejections: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+            connection: _builtins.str = ...,
         ) -> None: ...
         _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank", "rejections", b"rejections", "step_count", b"step_count"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["connection", b"connection", "rank", b"rank", "rejections", b"rejections", "step_count", b"step_count"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -65,6 +65,11 @@ class Schedule:
     progressive: bool | None = None
     # liveness (D.2)
     heartbeat_timeout: timedelta = field(default=timedelta(seconds=30))
+    # a rank whose broker connection closed (the broker's disconnect advisory, where the
+    # coordinator has a system-account login) and did not come back within this is dead
+    # at once, without waiting for the heartbeat timeout; a reconnect inside it (a network
+    # blip, a connection the broker dropped) keeps the rank
+    disconnect_grace: timedelta = field(default=timedelta(seconds=0.5))
     coordinator_timeout: timedelta = field(default=timedelta(seconds=30))
     collective_timeout: timedelta | None = None  # None: heartbeat_timeout + 2 s (D.2)
     # the backstop (D.5): an average unsettled this long, alive ranks still silent about it,
@@ -267,6 +272,7 @@ _PARSERS: Final[dict[str, Callable[[Any], Any]]] = {
     "snapshot_timeout": _seconds,
     "progressive": _optional(_bool),
     "heartbeat_timeout": _seconds,
+    "disconnect_grace": _seconds,
     "coordinator_timeout": _seconds,
     "collective_timeout": _optional(_seconds),
     "reduce_stall_timeout": _optional(_seconds),
@@ -314,6 +320,9 @@ def _check(s: Schedule) -> None:
          "parameters' own dtype in place)"),
         (s.snapshot_timeout > timedelta(0), "snapshot_timeout must be positive"),
         (s.heartbeat_timeout > timedelta(0), "heartbeat_timeout must be positive"),
+        (timedelta(seconds=0.05) <= s.disconnect_grace <= s.heartbeat_timeout,
+         "disconnect_grace must be in [0.05 s, heartbeat_timeout]: shorter takes a "
+         "reconnecting rank for dead, longer than the heartbeat timeout never decides"),
         (s.coordinator_timeout > timedelta(0), "coordinator_timeout must be positive"),
         (s.collective_timeout is None or s.collective_timeout > timedelta(0),
          "collective_timeout must be positive"),

@@ -11,6 +11,7 @@ declared dead exactly once; one that said Exiting never is.
 from __future__ import annotations
 
 import dataclasses
+from typing import Final
 
 from ddpbus.codecs import messages as m
 from ddpbus.orchestrator.core import recovery, session
@@ -25,6 +26,7 @@ from ddpbus.orchestrator.core.state import (
 )
 
 Out = list[Command]
+_JUDGED: Final = (Phase.FORMING, Phase.TRAINING, Phase.FINISHING)  # liveness is judged
 
 
 def on_join(s: State, msg: m.Hello | m.Rejoin, now: float, out: Out) -> None:
@@ -63,6 +65,7 @@ def _admit(s: State, r: RankState, hello: m.Hello, now: float, out: Out) -> None
         wanted = s.schedule.backend
         s.backend = session.CAPABLE[hello.backend] if wanted is m.Backend.AUTO else wanted
     r.hello, r.alive, r.last_heard = hello, True, now
+    r.connection, r.unplugged_at, r.unplugged_why = "", None, ""  # an earlier Hello's
     backend = s.backend or m.Backend.GLOO
     run = s.schedule.run_config(s.dataset_size, s.config.world_size)
     s.run = dataclasses.replace(run, backend=backend)
@@ -145,6 +148,57 @@ def check_liveness(s: State, now: float, out: Out) -> None:
 
 def declare_dead(s: State, r: RankState, why: str, now: float, out: Out) -> None:
     recovery.declare_dead(s, r, why, now, out)
+
+
+#: Disconnect reasons that say nothing about the rank: the broker itself is going (its
+#: clients reconnect to it or a peer; heartbeats judge them meanwhile, and the
+#: coordinator's own connection goes with it: ``BusRestored`` forgives that silence).
+SERVER_SIDE: Final = frozenset({"Server Shutdown"})
+
+
+def on_disconnected(s: State, connection: str, reason: str, now: float, out: Out) -> None:
+    """The broker closed ``connection``: if it is an alive rank's (as its last heartbeat
+    named it), that rank is dead unless it reconnects within ``disconnect_grace``. Any
+    other connection (an observer, a rank's rendezvous store, an older incarnation, an
+    exited rank) is none of the core's business."""
+    if not connection or reason in SERVER_SIDE or s.phase not in _JUDGED:
+        return
+    r = next((x for x in s.alive if x.connection == connection), None)
+    if r is None or r.unplugged_at is not None:
+        return
+    r.unplugged_at, r.unplugged_why = now, reason
+    out.append(Record("rank-disconnected", {
+        "rank": r.rank, "generation": r.hello.generation if r.hello else 0,
+        "host": r.hello.host if r.hello else "", "reason": reason,
+        "grace_s": s.schedule.disconnect_grace.total_seconds()}))
+
+
+def on_reconnected(s: State, rank: int, out: Out) -> None:
+    """A connection named as ``rank``'s opened: if that rank's connection had closed, it
+    is back (its next heartbeat names the new one)."""
+    r = s.rank(rank)
+    if r is None or not r.alive or r.unplugged_at is None:
+        return
+    r.unplugged_at, r.unplugged_why = None, ""
+    out.append(Record("rank-reconnected", {"rank": rank}))
+
+
+def on_connection(r: RankState, connection: str) -> None:
+    """A heartbeat named ``r``'s connection: a new one means it reconnected."""
+    if connection and connection != r.connection:
+        r.connection = connection
+        r.unplugged_at, r.unplugged_why = None, ""
+
+
+def check_unplugged(s: State, now: float, out: Out) -> None:
+    """Ranks whose connection closed past the grace without a reconnect are dead: one
+    membership change for all of them, like ranks silent together."""
+    grace = s.schedule.disconnect_grace.total_seconds()
+    gone = [(r, f"its broker connection closed ({r.unplugged_why}) and did not come back "
+                f"within {grace:g}s")
+            for r in s.alive if r.unplugged_at is not None and now - r.unplugged_at >= grace]
+    if gone:
+        recovery.declare_dead_all(s, gone, now, out, cause="disconnected")
 
 
 def on_exiting(s: State, r: RankState, now: float, out: Out) -> None:

@@ -47,20 +47,24 @@ _ACTIVE = (Phase.FORMING, Phase.TRAINING, Phase.FINISHING)
 # ---------------------------------------------------------------------- death
 
 
-def declare_dead(s: State, r: RankState, why: str, now: float, out: Out) -> None:
-    declare_dead_all(s, [(r, why)], now, out)
+def declare_dead(s: State, r: RankState, why: str, now: float, out: Out, *,
+                 cause: str = "silent") -> None:
+    declare_dead_all(s, [(r, why)], now, out, cause=cause)
 
 
 def declare_dead_all(s: State, dead: list[tuple[RankState, str]], now: float,
-                     out: Out) -> None:
+                     out: Out, *, cause: str = "silent") -> None:
     """Ranks found dead together (one tick) are all marked before any is processed, so
-    none of them inherits another's lost work."""
+    none of them inherits another's lost work. ``cause``, for the record and the metric:
+    ``silent`` (heartbeat timeout), ``disconnected`` (the broker's word), ``restarted``
+    (a newer incarnation joined)."""
     dead = [(r, why) for r, why in dead if r.alive]  # exactly once per incarnation
     for r, why in dead:
-        r.alive, r.dead = False, True
+        r.alive, r.dead, r.death = False, True, why
         s.deaths += 1
-        out.append(Record("rank-dead", {"rank": r.rank, "why": why,
+        out.append(Record("rank-dead", {"rank": r.rank, "why": why, "cause": cause,
                                         "generation": r.hello.generation if r.hello else 0,
+                                        "host": r.hello.host if r.hello else "",
                                         "alive": [x.rank for x in s.alive]}))
     for r, _why in dead:
         if s.phase in (Phase.DRAINING, Phase.DONE):
@@ -262,7 +266,8 @@ def on_rejoin(s: State, r: RankState, hello: m.Hello, now: float, out: Out) -> N
         session.reject(hello, problem, out)
         return
     if r.alive:
-        declare_dead(s, r, f"restarted as generation {hello.generation}", now, out)
+        declare_dead(s, r, f"restarted as generation {hello.generation}", now, out,
+                     cause="restarted")
         if not _joinable(s):
             session.reject(hello, "the run ended with the loss of the old incarnation",
                               out)

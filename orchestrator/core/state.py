@@ -65,6 +65,27 @@ class BusRestored:
 
 
 @dataclass(frozen=True, slots=True)
+class Disconnected:
+    """The broker said a client connection closed (its ``$SYS`` DISCONNECT advisory):
+    ``connection`` as ranks name their own in their heartbeats (``<server id>/<client
+    id>``), with the broker's ``reason`` ("Client Closed", "Read Error", ...)."""
+
+    connection: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reconnected:
+    """A connection named as rank ``rank``'s are (``ddpbus-<job>-rank-<N>``:
+    :func:`ddpbus.codecs.subjects.rank_connection_name`) opened (the CONNECT advisory): a
+    rank whose connection closed is back, or a restarted incarnation is on its way (its
+    Rejoin retires the old one). A name proves nothing, so this can only keep a rank
+    alive until its heartbeats judge it, never declare one dead."""
+
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
 class Reduced:
     """The shell's reducer finished broker round ``version``: the consensus is stored
     (``ok``), or it could not be built (``detail`` says why)."""
@@ -75,7 +96,8 @@ class Reduced:
     digest: str = ""  # the stored consensus object's "SHA-256=" digest (ok only)
 
 
-Event = Joined | Timing | Metrics | Tick | Stop | BusRestored | Reduced
+Event = (Joined | Timing | Metrics | Tick | Stop | BusRestored | Reduced | Disconnected
+         | Reconnected)
 
 
 def event_of(body: m.Message, msg_id: str = "") -> Event:
@@ -204,8 +226,14 @@ class RankState:
     alive: bool = False  # admitted, not dead, not exited
     exited: bool = False
     dead: bool = False
+    death: str = ""  # why it was declared dead
     fresh: bool = False  # rejoined: no work until an average gave it the consensus
     last_heard: float = 0.0
+    # its NATS connection as its heartbeats name it, and since when the broker has said
+    # that connection closed (None: not closed), with the broker's reason
+    connection: str = ""
+    unplugged_at: float | None = None
+    unplugged_why: str = ""
     step: int = 0  # the rank's last reported local step
     window_start: int = 0  # the rank's local step when the open window began
     lr: float | None = None

@@ -23,12 +23,14 @@ from ddpbus.orchestrator.core.state import (
     BusRestored,
     Command,
     CoreConfig,
+    Disconnected,
     Event,
     IdWindow,
     Joined,
     Metrics,
     Phase,
     RankState,
+    Reconnected,
     Record,
     Reduced,
     Refuse,
@@ -71,6 +73,8 @@ def _forgive_silence(state: State, now: float) -> None:
     gets a full heartbeat timeout from here, and a session being minted a fresh deadline."""
     for r in state.alive:
         r.last_heard = max(r.last_heard, now)
+        # a connection that closed while nobody listened may have come back unheard
+        r.unplugged_at, r.unplugged_why = None, ""
     if state.rendezvous is not None:
         state.rendezvous.deadline = now + state.config.rendezvous_timeout_s
     if state.broker_round is not None:
@@ -100,8 +104,8 @@ def transition(state: State, event: Event, now: float) -> tuple[State, list[Comm
 def _quiet_after_done(event: Event) -> bool:
     """The clock's ticks and an exiting rank's last heartbeats go on arriving while the
     shell winds down after the end; they ask for nothing, so they are not refusals."""
-    return isinstance(event, Tick) or (isinstance(event, Timing)
-                                        and isinstance(event.msg, m.Heartbeat))
+    return isinstance(event, Tick | Disconnected | Reconnected) or (
+        isinstance(event, Timing) and isinstance(event.msg, m.Heartbeat))
 
 
 #: The messages each message event may carry. The shell builds events from the subjects
@@ -139,6 +143,10 @@ def _dispatch(state: State, event: Event, now: float, out: list[Command]) -> Non
         _tick(state, now, out)
     elif isinstance(event, Stop):
         session.end_run(state, m.SaveReason.GRACEFUL_SHUTDOWN, event.reason, now, out)
+    elif isinstance(event, Disconnected):
+        membership.on_disconnected(state, event.connection, event.reason, now, out)
+    elif isinstance(event, Reconnected):
+        membership.on_reconnected(state, event.rank, out)
     elif isinstance(event, BusRestored):
         _forgive_silence(state, now)
         out.append(Record("bus-restored", {"away_s": round(event.away_s, 3)}))
@@ -182,6 +190,7 @@ def _tick(state: State, now: float, out: list[Command]) -> None:
     membership.check_rendezvous(state, now, out)
     rounds.check_deadline(state, now, out)
     if state.phase in (Phase.FORMING, Phase.TRAINING, Phase.FINISHING):
+        membership.check_unplugged(state, now, out)
         membership.check_liveness(state, now, out)
         window.check_reduce_stall(state, now, out)
     session.maybe_done(state, now, out)
@@ -203,6 +212,7 @@ def _timing(state: State, msg: m.TimingMsg, now: float, out: list[Command]) -> N
         return
     r.last_heard = now  # every timing frame is liveness, before anything else
     if isinstance(msg, m.Heartbeat):
+        membership.on_connection(r, msg.connection)
         return
     if isinstance(msg, m.Exiting):
         membership.on_exiting(state, r, now, out)

@@ -41,9 +41,11 @@ from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.errors import DdpbusError
 from ddpbus.orchestrator.core.state import (
     BusRestored,
+    Disconnected,
     Event,
     Joined,
     Metrics,
+    Reconnected,
     Reduced,
     State,
     Stop,
@@ -134,7 +136,8 @@ def extend(snap: snapshot.Snapshot, segments: list[Segment], decoder: Decoder
 
 MAGIC: Final = b"DDPBUS-JOURNAL-1\n"
 LEVEL: Final = 1  # zlib: a segment is written in front of commands, speed over size
-_OTHER_EVENTS: Final = (Tick, Stop, BusRestored, Reduced, Joined, Timing, Metrics)
+_OTHER_EVENTS: Final = (Tick, Stop, BusRestored, Reduced, Joined, Timing, Metrics,
+                        Disconnected, Reconnected)
 
 
 def encode(seg: Segment, secret: bytes) -> bytes:

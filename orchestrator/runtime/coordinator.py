@@ -74,6 +74,7 @@ from ddpbus.orchestrator.runtime.endpoint import Endpoint
 from ddpbus.orchestrator.runtime.intake import Intake
 from ddpbus.orchestrator.runtime.latency import Latency
 from ddpbus.orchestrator.runtime.metrics import CoordinatorMetrics
+from ddpbus.orchestrator.runtime.presence import Presence
 from ddpbus.orchestrator.runtime.provision import (
     JobStorage,
     consumer_configs,
@@ -95,6 +96,8 @@ class CoordinatorSettings:
     job: str
     nats: Access  # the URL, the coordinator identity's credentials
     key: bytes
+    # a system-account login: the broker's disconnect advisories tell a dead rank at once
+    system: Access | None = None
     summary_path: Path | None = None
     events_path: Path | None = None
     wire_json: bool = False
@@ -355,6 +358,13 @@ class Coordinator:
             (self._ticker(), "ticker"), (self._beacon(), "coord-heartbeat"),
             (self._committer(), "committer"), (self.compactor.run(), "compactor"),
             (self.lease.renew(), "lease"))]
+        if s.system is not None:
+            self.presence = Presence(
+                s.job, self.apply,
+                watched=lambda: {r.connection for r in self.state.alive if r.connection},
+                unplugged=lambda: {r.rank for r in self.state.alive
+                                   if r.unplugged_at is not None})
+            tasks.append(self._spawn(self.presence.run(s.system), "presence"))
         metrics_server = None
         if s.metrics_port is not None:
             self.metrics = CoordinatorMetrics(s.job)

@@ -84,6 +84,10 @@ class CoordinatorMetrics:
                                  10, 30))
         self.deaths = Counter("ddpbus_dead_ranks", "ranks declared dead", (JOB,),
                               registry=r)
+        # one series per death: which rank, where, which incarnation, and why (silent:
+        # heartbeat timeout; disconnected: the broker closed its connection; restarted)
+        self.rank_deaths = Counter("ddpbus_rank_deaths", "ranks declared dead, named",
+                                   (JOB, "rank", "host", "generation", "cause"), registry=r)
         self.rejoins = Counter("ddpbus_rejoined_ranks", "restarted ranks taken back",
                                (JOB,), registry=r)
         self.rejections = Counter("ddpbus_rejections", "inputs refused, by reason (codec: "
@@ -144,6 +148,10 @@ class CoordinatorMetrics:
                     float(record.fields.get("reduce_ms") or 0.0) / 1000)
         elif record.event == "rank-dead":
             self.deaths.labels(self.job).inc()
+            f = record.fields
+            self.rank_deaths.labels(self.job, str(f.get("rank", "")), str(f.get("host", "")),
+                                    str(f.get("generation", "")),
+                                    str(f.get("cause", ""))).inc()
         elif record.event == "rank-rejoined":
             self.rejoins.labels(self.job).inc()
 

@@ -27,6 +27,7 @@ from typing import IO, Self
 
 from ddpbus.codecs.errors import ConfigError, DdpbusError
 from ddpbus.orchestrator.runtime.children import tied_to_parent
+from ddpbus.orchestrator.transport import auth
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ MIN_SERVER_VERSION = (2, 10, 0)
 """Consumers with several filter subjects need 2.10; Debian's 2.9 silently ignores them."""
 
 DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
+SYSTEM_ACCOUNT = "SYS"
 
 
 class BrokerError(DdpbusError, RuntimeError):
@@ -52,6 +54,10 @@ class BrokerConfig:
     tls_key: Path | None = None
     tls_ca: Path | None = None  # with it, clients must present a certificate it signed
     max_payload: int = DEFAULT_MAX_PAYLOAD
+    # a system-account user with the nkey seed in this file (made, mode 0600, when absent):
+    # a coordinator logged in with it reads the client advisories that tell it at once of
+    # a killed rank (coordinator --nats-system-nkey). None: no system-account user
+    system_seed: Path | None = None
     monitor_port: int | None = None  # 0: any free port; None: no monitoring endpoint
     startup_timeout: timedelta = field(default=timedelta(seconds=15))
 
@@ -125,6 +131,12 @@ class EmbeddedBroker:
             if c.tls_ca is not None:
                 tls |= {"ca_file": str(c.tls_ca.resolve()), "verify": True}
             lines.append(f"tls {json.dumps(tls)}")
+        if c.system_seed is not None:
+            # beside an ``authorization`` block (whose users stay in the global account) or
+            # none (anonymous clients too): nats-server 2.10+ accepts either with this
+            user = {"nkey": auth.public_key(auth.ensure_seed(c.system_seed))}
+            lines += [f"accounts {json.dumps({SYSTEM_ACCOUNT: {'users': [user]}})}",
+                      f"system_account: {SYSTEM_ACCOUNT}"]
         for extra in (c.auth_file, c.config_file):
             if extra is not None:
                 # nats-server resolves includes relative to the including file

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ddpbus.codecs import subjects as sj
 from ddpbus.codecs.envelope import MIN_KEY_BYTES
 from ddpbus.codecs.errors import ConfigError
 from ddpbus.orchestrator.core.config import KNOBS, Schedule, parse_knob_assignments
@@ -56,6 +57,23 @@ def nats_access(args: argparse.Namespace, identity: str) -> Access:
     if within is None:
         within = getattr(args, "timeout_default", None)
     return Access(url=args.nats, auth=auth, identity=identity, connect_within=within)
+
+
+def system_access(args: argparse.Namespace) -> Access | None:
+    """The coordinator's system-account login (``--nats-system-nkey`` or ``-creds``), on
+    the job's URL with its TLS settings; None without one."""
+    nkey, creds = getattr(args, "nats_system_nkey", None), getattr(args, "nats_system_creds",
+                                                                   None)
+    if nkey is None and creds is None:
+        return None
+    if nkey is not None and creds is not None:
+        raise ConfigError("choose one system-account login: --nats-system-nkey or "
+                          "--nats-system-creds, not both")
+    auth = NatsAuth(nkey=nkey, creds=creds, tls_ca=getattr(args, "nats_tls_ca", None),
+                    tls_cert=getattr(args, "nats_tls_cert", None),
+                    tls_key=getattr(args, "nats_tls_key", None))
+    within = getattr(args, "timeout", None)
+    return Access(url=args.nats, auth=auth, identity=sj.SYSTEM, connect_within=within)
 
 
 def job_and_server(p: argparse.ArgumentParser) -> None:

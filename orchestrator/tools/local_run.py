@@ -96,6 +96,7 @@ class LocalRun:
     _logs: list[IO[bytes]] = field(default_factory=list)
     _stop: bool = False
     _credentials: auth.Credentials | None = None
+    _system_seed: Path | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LocalRun:
@@ -150,6 +151,7 @@ class LocalRun:
         common = ["--job", self.job, "--nats", url, "--key-file", str(key_file),
                   "--world-size", str(self.workers)]
         self._spawn("coordinator", ["coordinator", *common, *self._login(auth.COORDINATOR),
+                                    "--nats-system-nkey", str(self._system_seed),
                                     *self._flags(),
                                     "--summary", str(self.out_dir / "summary.json"),
                                     "--events", str(self.out_dir / "events.jsonl"),
@@ -204,8 +206,12 @@ class LocalRun:
         creds_dir = self.out_dir / ".credentials"
         if self.authenticate:  # the broker admits exactly this job's identities
             self._credentials = auth.write_credentials(creds_dir, self.job, self.workers)
+        # the coordinator's system-account login: a killed worker is dead at once
+        self._system_seed = creds_dir / "system.nk"
+        creds_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         broker = EmbeddedBroker(BrokerConfig(
-            port=0, auth_file=self._credentials.config if self._credentials else None))
+            port=0, auth_file=self._credentials.config if self._credentials else None,
+            system_seed=self._system_seed))
         console = Console(stderr=True)
         try:
             broker.start()

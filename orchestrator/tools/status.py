@@ -51,6 +51,7 @@ def _members(s: State, now: float) -> list[dict[str, Any]]:
             "batch_share": round(r.batches_total / total, 4),
             "count": s.elche.counts.get(r.rank), "loss": r.last_loss,
             "divergence": r.divergence,
+            "death": r.death or None,
         })
     return out
 
@@ -144,6 +145,8 @@ def render(doc: dict[str, Any]) -> str:
             lines.append(f"  {r['rank']:>4}  {r['state']:<9} {r['generation'] or '-':>3}  "
                          f"{(r['host'] or '-')[:13]:<13}  {heard:>10}  {r['batches']:>7}  "
                          f"{r['batch_share']:>5.1%}  {r['count'] or '-':>5}  {loss}")
+            if r.get("death"):
+                lines.append(f"        dead: {r['death']}")
     lease = doc.get("lease")
     lines.append("  lease: " + ("none" if lease is None else
                                 f"{lease['holder']}, expires in {lease['expires_in_s']:.1f}s"))

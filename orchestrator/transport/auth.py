@@ -188,7 +188,7 @@ def seed_path(directory: Path, identity: str) -> Path:
     return directory / f"{identity}{SEED_SUFFIX}"
 
 
-def _seed(path: Path) -> bytes:
+def ensure_seed(path: Path) -> bytes:
     """The user nkey seed in ``path``, made (mode 0600) when the file does not exist."""
     if path.exists():
         seed = path.read_bytes().strip()
@@ -226,7 +226,7 @@ def write_credentials(directory: Path, job: str, world_size: int, *,
     it: there is no anonymous user."""
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     names = identities(world_size)
-    users = [{"nkey": public_key(_seed(seed_path(directory, name))),
+    users = [{"nkey": public_key(ensure_seed(seed_path(directory, name))),
               "permissions": permissions(job, name, resume_from=resume_from,
                                          world_size=world_size).as_config()}
              for name in names]

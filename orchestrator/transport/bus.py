@@ -216,6 +216,17 @@ async def connect(url: str, *, name: str, deadline: timedelta = timedelta(second
     raise BusUnavailable(f"cannot reach NATS at {redact(url)}")  # pragma: no cover
 
 
+def connection_id(nc: Client) -> str:
+    """``nc``'s connection as the broker names it in its ``$SYS`` advisories: ``<server
+    id>/<client id>``, both from the server's INFO (nats-py keeps that INFO only in
+    ``_server_info``: it has no public accessor); "" while not connected."""
+    info = getattr(nc, "_server_info", None) or {}
+    server, cid = info.get("server_id"), nc.client_id
+    if not isinstance(server, str) or not server or not isinstance(cid, int):
+        return ""
+    return f"{server}/{cid}"
+
+
 async def _first_connect(errors: _ErrorLog, attempt: Awaitable[Client]) -> Client:
     """``attempt``, abandoned as soon as the server refused us for good."""
     task = asyncio.ensure_future(attempt)

@@ -351,9 +351,16 @@ def test_the_broker_restarted_on_its_store_loses_nothing(broker: EmbeddedBroker,
     after = rng.randint(2, 10)
     outage_s = rng.uniform(0.5, 4.0)  # up to twice the heartbeat timeout: silence, no death
     print(f"broker outage {outage_s:.2f}s after {after} epochs")
+    # the coordinator reads the broker's disconnect advisories too: a restart (which
+    # closes every connection) must not read as deaths there either
+    system = broker.config.system_seed
+    assert system is not None
     job, ledger = run_job(broker, tmp_path, 2, f"broker-{attempt}",
-                          worker_args={0: ["--slowdown", "3"], 1: ["--slowdown", "3"]})
+                          worker_args={0: ["--slowdown", "3"], 1: ["--slowdown", "3"]},
+                          coordinator_args=["--nats-system-nkey", str(system)])
     wait_for(f"rank 0 to train {after} epochs", lambda: trained_epochs(ledger, 0) >= after)
+    wait_for("the coordinator to read the broker's advisories",
+             lambda: "reading the broker's client advisories" in job.log("coordinator"))
     port, store = broker.port, broker.store_dir
     broker.stop()
     FAULTS["broker restart"] += 1
@@ -361,7 +368,7 @@ def test_the_broker_restarted_on_its_store_loses_nothing(broker: EmbeddedBroker,
     wait_for("every process to notice the outage, and the outage to last", lambda:
              time.monotonic() >= back_at and all("lost the NATS connection" in job.log(n)
                                                   for n in job.procs))
-    again = EmbeddedBroker(BrokerConfig(port=port, store_dir=store))
+    again = EmbeddedBroker(BrokerConfig(port=port, store_dir=store, system_seed=system))
     again.start()
     try:
         events = finish(job, failed={})

@@ -22,10 +22,12 @@ from ddpbus.orchestrator.core.state import (
     Admit,
     Command,
     CoreConfig,
+    Disconnected,
     Event,
     Finish,
     Joined,
     Metrics,
+    Reconnected,
     Record,
     Refuse,
     ResumePoint,
@@ -64,6 +66,13 @@ class SimRank:
     received: list[m.ControlMsg] = field(default_factory=list)
     inbox: deque[m.ControlMsg] = field(default_factory=deque)  # read between batches
     held: list[m.MetricsMsg] = field(default_factory=list)  # behind the window's SyncAck
+    connects: int = 0  # how often its NATS connection was opened again (its client id)
+
+    @property
+    def connection(self) -> str:
+        """Its NATS connection as its heartbeats name it (unique per incarnation and
+        reconnect, like a server's client ids)."""
+        return f"SIMSERVER/{self.rank * 10_000 + self.generation * 100 + self.connects}"
 
 
 class Sim:
@@ -137,7 +146,8 @@ class Sim:
         if self.finish is None:
             for r in self.ranks:
                 if not (r.exited or r.silent):
-                    self.to_core(Timing(m.Heartbeat(rank=r.rank, step_count=r.step)))
+                    self.to_core(Timing(m.Heartbeat(rank=r.rank, step_count=r.step,
+                                                    connection=r.connection)))
             self.at(self.now + 1.0, self._heartbeats)
 
     def run(self, until: float = 1e6) -> Finish:
@@ -171,6 +181,19 @@ class Sim:
         if r.uid is not None:
             self.broken.add(r.uid)
             self._fail(r.uid)
+
+    def unplug(self, rank: int, reason: str = "Client Closed") -> None:
+        """The broker's disconnect advisory for the rank's connection reaches the core
+        (with a system login, the coordinator's presence watcher hands it on)."""
+        self.to_core(Disconnected(connection=self.ranks[rank].connection, reason=reason))
+
+    def blip(self, rank: int, away: float = 0.005) -> None:
+        """The broker drops the rank's connection and nats-py reconnects ``away`` later:
+        a disconnect advisory, then a connect one, then heartbeats on the new connection."""
+        r = self.ranks[rank]
+        self.unplug(rank, "Kicked")
+        self.at(self.now + away, lambda: setattr(r, "connects", r.connects + 1))
+        self.to_core(Reconnected(rank=rank), delay=away + self.latency)
 
     def hang(self, rank: int) -> None:
         """The rank stops (SIGSTOP): peers' collectives time out."""

@@ -407,6 +407,12 @@ def _invalid_field() -> list[Case]:
         _signed("heartbeat-65-reasons", InvalidField, f"ddpbus.{JOB}.live.rank.3",
                 "TimingMsg.Heartbeat", _c("TimingMsg", heartbeat=t.Heartbeat(
                     rank=3, rejections={f"r{i}": 1 for i in range(65)})), match="at most 64"),
+        *(_signed(f"heartbeat-connection-{name}", InvalidField, f"ddpbus.{JOB}.live.rank.3",
+                  "TimingMsg.Heartbeat", _c("TimingMsg", heartbeat=t.Heartbeat(
+                      rank=3, connection=bad)), match="Heartbeat.connection")
+          for name, bad in (("no-slash", "NSERVER"), ("lower-case", "nserver/3"),
+                            ("cid-not-digits", "NSERVER/x"), ("too-long", "N" * 65 + "/1"),
+                            ("trailing", "NSERVER/1\n"))),
         _signed("tensor-unknown-dtype", InvalidField, D3, tensor.TYPE_NAME,
                 frame(dtype="complex64")),
         _signed("tensor-shape-disagrees", InvalidField, D3, tensor.TYPE_NAME,

@@ -205,8 +205,11 @@ def _reports(draw: st.DrawFn) -> m.Reports:
 
 STRATEGIES[m.Reports] = _reports()
 # refusal reasons are DecodeError reasons: lower-case slugs (at most 64 of them)
+# and the connection is "<server id>/<client id>" or empty
 STRATEGIES[m.Heartbeat] = builds(m.Heartbeat, rejections=st.dictionaries(
-    st.from_regex(r"[a-z][a-z0-9-]{0,39}", fullmatch=True), u64s(), max_size=4))
+    st.from_regex(r"[a-z][a-z0-9-]{0,39}", fullmatch=True), u64s(), max_size=4),
+    connection=st.one_of(st.just(""), st.from_regex(r"[A-Z0-9]{1,64}/[0-9]{1,20}",
+                                                    fullmatch=True)))
 
 ALL_CLASSES = tuple(STRATEGIES)
 

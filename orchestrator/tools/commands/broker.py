@@ -24,7 +24,7 @@ ENV = {
     "max_payload": "DDPBUS_BROKER_MAX_PAYLOAD", "monitor_port": "DDPBUS_BROKER_MONITOR_PORT",
     "auth": "DDPBUS_BROKER_AUTH", "job": "DDPBUS_JOB", "world_size": "DDPBUS_WORLD_SIZE",
     "tls_cert": "DDPBUS_BROKER_TLS_CERT", "tls_key": "DDPBUS_BROKER_TLS_KEY",
-    "tls_ca": "DDPBUS_BROKER_TLS_CA",
+    "tls_ca": "DDPBUS_BROKER_TLS_CA", "system_nkey": "DDPBUS_BROKER_SYSTEM_NKEY",
 }
 log = logging.getLogger("ddpbus.cli")
 
@@ -63,6 +63,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     sec.add_argument("--resume-from", action="append", default=[], type=argtypes.job,
                      metavar="JOB", help="with --auth: an earlier job on this broker whose "
                      "bundles the job may read (coordinator --resume JOB); repeatable")
+    sec.add_argument("--system-nkey", type=Path, metavar="FILE", help="a system-account "
+                     "user with the nkey seed in FILE (made when absent), for coordinator "
+                     "--nats-system-nkey: it reads the client advisories that tell a killed "
+                     "rank at once (default with --auth: DIR/system.nk; without: none)")
     sec.add_argument("--tls-cert", type=Path, metavar="FILE", help="server certificate: "
                      "clients must connect with TLS")
     sec.add_argument("--tls-key", type=Path, metavar="FILE", help="its private key")
@@ -109,6 +113,15 @@ def _auth_file(args: argparse.Namespace) -> Path | None:
     return creds.config
 
 
+def _system_seed(args: argparse.Namespace) -> Path | None:
+    seed: Path | None = args.system_nkey
+    if seed is None and args.auth is not None:
+        seed = args.auth / "system.nk"
+    if seed is not None:
+        log.info("system-account login: %s (coordinator --nats-system-nkey)", seed)
+    return seed
+
+
 def run(args: argparse.Namespace) -> int:
     config = BrokerConfig(
         auth_file=_auth_file(args),
@@ -119,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         config_file=args.config,
         max_payload=args.max_payload or BrokerConfig.max_payload,
         monitor_port=args.monitor_port,
+        system_seed=_system_seed(args),
     )
     broker = EmbeddedBroker(config)
     wait_for_stop = _catch_stop_signals()

@@ -25,6 +25,7 @@ ENV = {
     "backend": "DDPBUS_BACKEND", "summary": "DDPBUS_SUMMARY", "events": "DDPBUS_EVENTS",
     "spec": "DDPBUS_SPEC", "lease_ttl": "DDPBUS_LEASE_TTL", "resume": "DDPBUS_RESUME",
     "metrics_port": "DDPBUS_METRICS_PORT", "report": "DDPBUS_REPORT",
+    "nats_system_nkey": "DDPBUS_NATS_SYSTEM_NKEY", "nats_system_creds": "DDPBUS_NATS_SYSTEM_CREDS",
     **flags.NATS_LOGIN_ENV,
 }
 
@@ -44,6 +45,17 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "epoch, serves callbacks; exits when the run ends.")
     flags.member(coord)
     flags.schedule(coord)
+    presence = coord.add_argument_group(
+        "fast death detection (default: off, heartbeats only)",
+        "A login to the broker's system account lets the coordinator read its client "
+        "disconnect advisories: a rank whose connection closes (a killed process) and does "
+        "not reconnect within knob disconnect_grace (0.5 s) is dead at once, not after "
+        "heartbeat_timeout. `ddpbus run` and `ddpbus broker` set this up themselves.")
+    presence.add_argument("--nats-system-nkey", type=Path, metavar="FILE", help="nkey seed "
+                          "of a system-account user (env DDPBUS_NATS_SYSTEM_NKEY)")
+    presence.add_argument("--nats-system-creds", type=Path, metavar="FILE", help="a JWT "
+                          ".creds file of a system-account user (env "
+                          "DDPBUS_NATS_SYSTEM_CREDS)")
     coord.add_argument("--summary", type=Path, help="write the run summary JSON here")
     coord.add_argument("--events", type=Path, help="append the decision log (JSON lines)")
     coord.add_argument("--standby", action="store_true",
@@ -108,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         keep_s=1800.0 if args.keep_history is None else args.keep_history)
     settings = CoordinatorSettings(
         job=args.job, nats=flags.nats_access(args, sj.COORDINATOR), key=key,
+        system=flags.system_access(args),
         summary_path=args.summary, events_path=args.events, wire_json=args.wire_json,
         standby=args.standby, lease_ttl=args.lease_ttl or 5.0, resume=args.resume,
         metrics_port=args.metrics_port, report_dir=args.report, retention=retention,
