@@ -548,6 +548,10 @@ class WorkerAgent:
             self.trainer.inbox.put(await self._fetch_consensus(body))
         elif isinstance(body, m.ControlMsg):
             self.trainer.inbox.put(body)
+            if isinstance(body, m.DeclareDead) and body.rank != self.rank:
+                # after the put: the training thread may be blocked in a collective with the
+                # dead rank (gloo on a stopped peer, NCCL on any): release it now
+                self.trainer.release_collective(body.rank)
 
     def _waiting_admission(self) -> bool:
         return self._admitted is not None and not self._admitted.done()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,9 +131,45 @@ def _wire(flat: FlatModel, buffers: list[torch.Tensor]) -> _Wire:
     return wire
 
 
+class CollectiveReleased(RuntimeError):
+    """A collective's wait was ended from outside (a peer was declared dead): its result is
+    abandoned, the parameters are untouched."""
+
+
+def _all_reduce(buffers: list[torch.Tensor], group: dist.ProcessGroup | None,
+                wake: threading.Event | None) -> None:
+    """Sum ``buffers`` across the group. With ``wake``, the collectives run asynchronously
+    and the wait ends when they complete (their future's callback sets it) or when another
+    thread sets it first: then :class:`CollectiveReleased`, the buffers left to the
+    collective still in flight (it fails or times out on its own)."""
+    if wake is None:
+        for w in buffers:
+            dist.all_reduce(w, group=group)
+        return
+    works = [w for w in (dist.all_reduce(b, group=group, async_op=True) for b in buffers)
+             if w is not None]  # (None only for a rank outside the group)
+    every = torch.futures.collect_all([w.get_future() for w in works])
+    every.add_done_callback(lambda _: wake.set())
+    wake.wait()
+    if not every.done():
+        raise CollectiveReleased("released: a peer of this collective was declared dead")
+    for w in works:
+        w.wait()  # the collective's own error, if it failed
+
+
+def abandon_buffers(flat: FlatModel) -> None:
+    """A released collective may still write into this model's wire buffers: the next
+    average gets new ones."""
+    if getattr(flat, "_wire", None) is not None:
+        flat._wire = None  # type: ignore[attr-defined]
+
+
 def average(flat: FlatModel, steps: int, *, gamma: float, measure: bool,
-            device: torch.device, group: dist.ProcessGroup | None = None) -> AverageResult:
-    """One averaging round; every rank of ``group`` must call it for the same SyncNow."""
+            device: torch.device, group: dist.ProcessGroup | None = None,
+            wake: threading.Event | None = None) -> AverageResult:
+    """One averaging round; every rank of ``group`` must call it for the same SyncNow.
+    ``wake``: set by another thread, it ends the wait for the collectives at once
+    (:class:`CollectiveReleased`; see :func:`_all_reduce`)."""
     del device  # the wire buffers live where the parameters live
     flat.ensure_flat()
     mass = _mass(steps, gamma)
@@ -149,8 +186,7 @@ def average(flat: FlatModel, steps: int, *, gamma: float, measure: bool,
             torch.cat([b.reshape(-1).to(head.dtype) for b in buffers], out=packed)
             packed.mul_(mover)
         head[-2], head[-1] = mass, mover
-        for w in wire.buffers:
-            dist.all_reduce(w, group=group)
+        _all_reduce(wire.buffers, group, wake)
         total_mass, movers = float(head[-2]), float(head[-1])
         if total_mass <= 0.0:
             return AverageResult(realized=False, divergence=0.0, pre_norm=None,

@@ -60,6 +60,34 @@ Outbox = Callable[[m.Message, bool], None]
 stream's store ack (per-batch reports only)."""
 
 
+def _forget_groups(graveyard: list[object]) -> None:
+    """Unregister every process group, as ``destroy_process_group()`` does, without its
+    ``shutdown()`` (which waits for the collectives in flight): a group whose collective was
+    released waits on a dead or stopped peer until the collective timeout, and a new session
+    must form meanwhile. The groups go to ``graveyard``, referenced for the process's life.
+    The registry is torch's own (torch 2.13, the pinned version; the fields
+    destroy_process_group clears)."""
+    c10d: Any = dist.distributed_c10d
+    world = c10d._world
+    graveyard.extend(world.pg_map)
+    c10d._update_default_pg(None)
+    for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
+                  world.pg_to_tag, world.tags_to_pg, world.pg_coalesce_state):
+        table.clear()
+    c10d._unregister_all_process_groups()
+
+
+def _abort_nccl() -> None:
+    """Abort the NCCL communicators of the default group (``ncclCommAbort``), from a thread
+    other than the one blocked in the collective: its kernel then returns with an error
+    instead of spinning until the watchdog's timeout. Not run on a GPU yet (no device was
+    lent to this project)."""
+    try:
+        dist.distributed_c10d._abort_process_group()  # torch >= 2.6
+    except Exception:  # an abort of a group already broken may raise; it is gone either way
+        log.warning("aborting the NCCL process group failed", exc_info=True)
+
+
 def restart_group_names() -> None:
     """torch names a default process group by a per-process counter, part of every store
     key its rendezvous uses; a *failed* ``init_process_group`` advances it and only
@@ -172,6 +200,20 @@ class Trainer(threading.Thread):
         self.epoch_fn_role: int | None = None
         self.group_ready = False
         self.sessions = 0
+        # a collective with a peer declared dead is released at once, not at its timeout:
+        # the agent counts each DeclareDead (of another rank) it queues here and sets the
+        # wait's event; while it has queued more than this thread has handled, the group
+        # is broken (release_collective)
+        self._release_lock = threading.Lock()
+        self._deaths_queued = 0
+        self._deaths_handled = 0
+        self._released_by = ""
+        self._collective_wake: threading.Event | None = None
+        self.released = 0  # collectives released that way
+        self._abandoned = False  # the group has a released collective still in flight
+        # groups left with a collective in flight: never destroyed (that would wait for
+        # it), kept referenced so no destructor joins their stuck threads either
+        self._graveyard: list[object] = []
         self.throttled = False
         self.ready_at = time.perf_counter()
         self.outcome: Outcome | None = None
@@ -393,12 +435,17 @@ class Trainer(threading.Thread):
                  backend, msg.new_rank, msg.new_world_size)
 
     def _leave_group(self) -> None:
-        if dist.is_initialized():
+        if dist.is_initialized() and self._abandoned:
+            # destroy_process_group would wait for the released collective, which waits on
+            # the dead peer until its timeout (measured: 29 s of a 30 s hang)
+            _forget_groups(self._graveyard)
+        elif dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # a broken group may fail to tear down; it is gone either way
                 log.warning("rank %d: tearing down the process group failed", self.rank,
                             exc_info=True)
+        self._abandoned = False
         restart_group_names()
         self.group_ready = False
 
@@ -410,6 +457,8 @@ class Trainer(threading.Thread):
             return Outcome(clean=False, reason="declared dead by the coordinator")
         log.warning("rank %d: rank %d declared dead; leaving the process group until a new "
                     "session", self.rank, msg.rank)
+        with self._release_lock:
+            self._deaths_handled += 1
         self._leave_group()
         return None
 
@@ -485,8 +534,37 @@ class Trainer(threading.Thread):
     def _average(self, steps: int, run: m.RunConfig) -> averaging.AverageResult:
         if not self.group_ready:
             raise RuntimeError("no communicator session (a peer was lost)")
-        return averaging.average(self.flat, steps, gamma=run.gamma,
-                                 measure=run.policy is not m.Policy.SYNC, device=self.device)
+        wake = threading.Event()
+        with self._release_lock:
+            if self._deaths_queued > self._deaths_handled:  # its DeclareDead is queued
+                raise averaging.CollectiveReleased(f"{self._released_by} was declared dead")
+            self._collective_wake = wake
+        try:
+            return averaging.average(self.flat, steps, gamma=run.gamma,
+                                     measure=run.policy is not m.Policy.SYNC,
+                                     device=self.device, wake=wake)
+        except averaging.CollectiveReleased:
+            self.released += 1
+            self._abandoned = True
+            averaging.abandon_buffers(self.flat)  # the abandoned collective may write there
+            raise
+        finally:
+            with self._release_lock:
+                self._collective_wake = None
+
+    def release_collective(self, dead_rank: int) -> None:
+        """Called by the agent (its own thread) as it queues a DeclareDead of another rank:
+        a collective in flight is released now (its group is broken; the DeclareDead that
+        follows in the inbox leaves it), and so is any begun before that DeclareDead is
+        handled."""
+        with self._release_lock:
+            self._deaths_queued += 1
+            self._released_by = f"rank {dead_rank}"
+            wake = self._collective_wake
+        if wake is not None:
+            wake.set()
+        if wake is not None and dist.is_initialized() and dist.get_backend() == "nccl":
+            _abort_nccl()  # a kernel waits on the dead peer: only an abort frees the stream
 
     # ------------------------------------------------------ the broker backend
 
