@@ -28,6 +28,7 @@ from typing import Any, Final
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from ddpbus.codecs import convert
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
 from ddpbus.codecs import tensor
@@ -262,9 +263,11 @@ SPECIAL |= {
         collective_timeout_s=st.floats(0.0, 600.0), easgd_alpha=st.floats(0.01, 1.0),
         report_interval_ms=st.floats(0.0, 10_000.0))),
     # a heartbeat's refusal counts are keyed by the codec's own reasons
+    # and its connection is the broker's "<server id>/<client id>" or empty
     m.Heartbeat: st.deferred(lambda: builds(
         m.Heartbeat, rejections=st.dictionaries(st.sampled_from(sorted(REASONS)),
-                                                st.integers(0, 10**6), max_size=3))),
+                                                st.integers(0, 10**6), max_size=3),
+        connection=st.just("") | st.from_regex(convert.CONNECTION, fullmatch=True))),
 }
 
 
@@ -376,6 +379,8 @@ def _fixed(tp: Any, name: str = "") -> Any:
                            m.MODEL_SIGNATURE_BYTES))
     if name in ("world_size", "new_world_size"):
         return WORLD
+    if name == "connection":
+        return "NDDPBUSFUZZ/7"
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (types.UnionType, typing.Union):
         return _fixed(next(a for a in args if a is not type(None)), name)
