@@ -597,10 +597,12 @@ class WorkerAgent:
         # the coordinator could not be heard either: its deadline starts again now (before
         # the reader re-attaches, so a watchdog check meanwhile finds a fresh deadline)
         self._last_coordinator = time.monotonic()
-        await self.link.back()
         if self._admitted is not None and self._admitted.done() and self.watch.failure is None:
-            # at once: the coordinator forgave silence until now
+            # at once, before the reader re-attaches (JetStream requests): the coordinator
+            # forgave silence until now, and until this names the new connection a kill
+            # of this process is noticed only by the heartbeat timeout
             await self.link.announce(self.nc, self._heartbeat_message())
+        await self.link.back()
 
     async def _watch_coordinator(self) -> None:
         limit = self._coordinator_timeout

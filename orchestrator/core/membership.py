@@ -183,11 +183,16 @@ def on_reconnected(s: State, rank: int, out: Out) -> None:
     out.append(Record("rank-reconnected", {"rank": rank}))
 
 
-def on_connection(r: RankState, connection: str) -> None:
-    """A heartbeat named ``r``'s connection: a new one means it reconnected."""
+def on_connection(r: RankState, connection: str, out: Out) -> None:
+    """A heartbeat named ``r``'s connection: a new one means it reconnected. Recorded, so
+    an operator can find the rank in the broker's ``connz`` (and know from when on a close
+    of that connection is its death)."""
     if connection and connection != r.connection:
         r.connection = connection
         r.unplugged_at, r.unplugged_why = None, ""
+        out.append(Record("rank-connection", {
+            "rank": r.rank, "generation": r.hello.generation if r.hello else 0,
+            "connection": connection}))
 
 
 def check_unplugged(s: State, now: float, out: Out) -> None:

@@ -212,7 +212,7 @@ def _timing(state: State, msg: m.TimingMsg, now: float, out: list[Command]) -> N
         return
     r.last_heard = now  # every timing frame is liveness, before anything else
     if isinstance(msg, m.Heartbeat):
-        membership.on_connection(r, msg.connection)
+        membership.on_connection(r, msg.connection, out)
         return
     if isinstance(msg, m.Exiting):
         membership.on_exiting(state, r, now, out)

@@ -60,7 +60,9 @@ def test_recovery_bench(tmp_path: Path) -> None:
     assert set(measured) == set(doc["targets"])  # type: ignore[arg-type]
     assert all(v > 0 for v in measured.values())  # type: ignore[attr-defined]
     assert set(doc["train_s_lost_per_failure"]) == {  # type: ignore[arg-type]
-        "worker_kill", "worker_restart", "coordinator_kill"}
+        "worker_kill", "worker_kill_advisory", "worker_restart", "coordinator_kill"}
+    # the broker's advisory declares the killed rank dead before its heartbeat would
+    assert measured["advisory_kill_to_training_s"] < measured["kill_to_training_s"], measured
 
 
 def test_averaging_bench(tmp_path: Path) -> None:

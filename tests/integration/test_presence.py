@@ -6,7 +6,8 @@ One job, two faults on rank 1, each an outcome that must hold whenever it lands:
 
 1. the broker drops rank 1's connection (``$SYS.REQ.SERVER.<id>.KICK``, what a network
    blip or a load balancer's reset looks like to the server); nats-py reconnects within
-   ~0.1 s, inside the 0.5 s ``disconnect_grace``: rank 1 stays in the cohort;
+   ~0.1 s, inside the 0.5 s ``disconnect_grace``: rank 1 stays in the cohort, and its
+   next heartbeat names its new connection;
 2. rank 1 is SIGKILLed: the broker's disconnect advisory, not the heartbeat timeout (60 s
    here, longer than the whole run), declares it dead; the survivor finishes every epoch.
 
@@ -73,13 +74,25 @@ def test_a_dropped_connection_that_comes_back_is_kept_and_a_killed_rank_dies_at_
             whole = text[:text.rfind("\n") + 1]
             return [e for e in map(json.loads, whole.splitlines()) if e["event"] == event]
 
-        # the connection rank 1 heartbeats on is known once it has trained an epoch
         wait_for("rank 1 to train an epoch", lambda: epochs_trained(ledger, 1) >= 1)
         wait_for("the coordinator to read the broker's advisories",
                  lambda: "reading the broker's client advisories" in job.log("coordinator"))
+
+        def named() -> list[str]:
+            """The connections rank 1's heartbeats named, as the coordinator read them."""
+            return [e["connection"] for e in seen("rank-connection") if e["rank"] == 1]
+
+        # (its first heartbeat after its admission names it: up to a heartbeat interval on)
+        wait_for("rank 1's heartbeat naming its connection", named)
+        [first] = named()
         kicked = kick(broker, sj.rank_connection_name(JOB, 1))
         assert "error" not in kicked["reply"], kicked
         wait_for("rank 1's reconnect", lambda: seen("rank-reconnected"))
+        # a disconnect counts only for the connection a signed heartbeat named: until the
+        # coordinator has read the one naming the new connection, a kill would be left to
+        # the heartbeat timeout (the race CI once lost), so the kill waits for it
+        wait_for("rank 1's heartbeat naming its new connection", lambda: len(named()) == 2)
+        assert named()[1] != first
         victim = job.procs.pop("rank-1")  # its exit status is the kill's
         victim.send_signal(signal.SIGKILL)
         victim.wait(10)
@@ -94,6 +107,7 @@ def test_a_dropped_connection_that_comes_back_is_kept_and_a_killed_rank_dies_at_
     assert [e["rank"] for e in gone] == [1, 1]
     assert gone[1]["reason"] in ("Client Closed", "Read Error"), gone
     assert [e["rank"] for e in events if e["event"] == "rank-reconnected"] == [1]
+    assert [e["rank"] for e in events if e["event"] == "rank-connection"].count(1) == 2
     [dead] = [e for e in events if e["event"] == "rank-dead"]
     assert (dead["rank"], dead["cause"], dead["generation"]) == (1, "disconnected", 1)
     assert dead["host"]
