@@ -28,10 +28,9 @@ from typing import Any, Final
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from ddpbus.codecs import convert
+from ddpbus.codecs import convert, tensor
 from ddpbus.codecs import messages as m
 from ddpbus.codecs import subjects as sj
-from ddpbus.codecs import tensor
 from ddpbus.codecs.envelope import Decoder, Encoder, Envelope, Outbound
 from ddpbus.codecs.errors import DECODE_ERRORS, DecodeError
 

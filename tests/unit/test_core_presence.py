@@ -66,7 +66,8 @@ def test_a_rank_that_reconnects_within_the_grace_is_kept() -> None:
     assert sim.records("rank-reconnected") == [{"rank": 1}]
     # its first heartbeat named its connection, the one after the blip the new one
     named = [c for c in sim.records("rank-connection") if c["rank"] == 1]
-    assert len(named) == 2 and named[0]["connection"] != named[1]["connection"], named
+    assert len(named) == 2, named
+    assert named[0]["connection"] != named[1]["connection"], named
     assert not sim.records("rank-dead")
     assert not sim.sent_of(m.DeclareDead)
     every_batch_once(sim)
