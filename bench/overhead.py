@@ -5,12 +5,20 @@ compute-bound MLP); throughput = samples / the coordinator's training time (firs
 reported -> last average acknowledged by every rank). Baseline: ``_handwritten.py`` replays
 the averaging schedule ddpbus recorded (steps per rank per average) with plain
 torch.distributed on the same model, data and batch size, timed from its first step to its
-last average. Two workloads: batches of 256 (~5 ms each here) and 1024 (~20 ms). Runs
-alternate; medians over ``--rounds``; target throughput ratio >= 0.97. Beside it, in the
-same rounds: ddpbus with every per-batch report sent alone (``report_interval=0``, as
-flodl does) against the same baseline, to show what coalesced reports are worth.
+last average. Two workloads: batches of 64 (~1.5 ms each here: where a per-step cost shows
+most) and 256 (~5 ms). Runs alternate; medians over ``--rounds``; target throughput ratio
+>= 0.97 at both. Beside it, in the same rounds: ddpbus with every per-batch report sent
+alone (``report_interval=0``, as flodl does) against the same baseline, to show what
+coalesced reports are worth.
 
-Run: ``python bench/overhead.py [--rounds 3] [--json PATH]``.
+Where the time goes: CPU seconds per 1,000 samples, ddpbus's split by the accounts its
+processes log at exit (each rank's training thread, its agent loop, torch's and gloo's other
+threads; the coordinator; the embedded nats-server; the rest: the launcher and every
+process's start-up), beside the hand-written run's total (rusage of its processes). On a
+2-core machine every CPU second outside the training threads is taken from them.
+
+Run: ``python bench/overhead.py [--rounds 3] [--json PATH]``. To profile one worker's
+training thread and agent loop, see docs/performance.md ("Profiling a worker").
 """
 
 from __future__ import annotations
@@ -25,15 +33,20 @@ from pathlib import Path
 from typing import Any
 
 from _results import record
-from _runs import ddpbus_run, median, write_json
+from _runs import children_cpu_s, ddpbus_run, median, write_json
 
 HERE = Path(__file__).resolve().parent
 TARGET = 0.97
-WORKLOADS = {"batch 256": {"BENCH_BATCH": "256", "BENCH_EPOCHS": "6"},
-             "batch 1024": {"BENCH_BATCH": "1024", "BENCH_EPOCHS": "12"}}
+WORKLOADS = {"batch 64": {"BENCH_BATCH": "64", "BENCH_EPOCHS": "3"},
+             "batch 256": {"BENCH_BATCH": "256", "BENCH_EPOCHS": "6"}}
+SPLIT = ("training_threads", "agent_loops", "worker_other_threads", "coordinator", "broker",
+         "rest")
 
 
-def handwritten(schedule: list[list[int]], env: dict[str, str]) -> float:
+def handwritten(schedule: list[list[int]], env: dict[str, str]) -> tuple[float, float, float]:
+    """(wall s from first step to last average, CPU s of both processes in that span, CPU s
+    of both processes in all)."""
+    cpu0 = children_cpu_s()
     with tempfile.TemporaryDirectory() as tmp:
         sched, out = Path(tmp) / "schedule.json", Path(tmp) / "out.json"
         sched.write_text(json.dumps(schedule))
@@ -45,7 +58,8 @@ def handwritten(schedule: list[list[int]], env: dict[str, str]) -> float:
             _, err = p.communicate(timeout=600)
             if p.returncode != 0:
                 raise RuntimeError(f"hand-written baseline failed:\n{err.decode()[-2000:]}")
-        return float(json.loads(out.read_text())["wall_s"])
+        timed = sum(float(Path(f"{out}.cpu{r}").read_text()) for r in range(2))
+        return float(json.loads(out.read_text())["wall_s"]), timed, children_cpu_s() - cpu0
 
 
 def _one(env: dict[str, str]) -> dict[str, Any]:
@@ -54,7 +68,8 @@ def _one(env: dict[str, str]) -> dict[str, Any]:
     schedule = [[e["steps"]["0"], e["steps"]["1"]] for e in run.of("average")]
     samples = run.summary["global_step"] * int(env["BENCH_BATCH"])
     ours = run.summary["train_s"]
-    theirs = handwritten(schedule, env)
+    theirs, their_loop_cpu, their_cpu = handwritten(schedule, env)
+    per_k = 1000.0 / samples
     # the uncoalesced run's own schedule differs a little (El Che adapts); compare its
     # throughput, not its time, with the baseline's
     alone_rate = alone.summary["global_step"] * int(env["BENCH_BATCH"]) / alone.summary["train_s"]
@@ -65,6 +80,14 @@ def _one(env: dict[str, str]) -> dict[str, Any]:
             "reports_alone_samples_per_s": alone_rate,
             "reports_alone_ratio": alone_rate / (samples / theirs),
             "messages": run.summary["messages_handled"],
+            "cpu_s_per_1k_samples": {k: v * per_k for k, v in run.cpu.items()
+                                     if not k.startswith("wall_")},
+            # of each rank's training time, the share its training thread stood waiting
+            # for the coordinator, and the share it spent in averages
+            "waiting_share": run.cpu["wall_waiting_for_coordinator"] / (2 * ours),
+            "averaging_share": run.cpu["wall_averaging"] / (2 * ours),
+            "handwritten_cpu_s_per_1k_samples": their_cpu * per_k,
+            "handwritten_loop_cpu_s_per_1k_samples": their_loop_cpu * per_k,
             "reports_alone_messages": alone.summary["messages_handled"]}
 
 
@@ -91,6 +114,23 @@ def main() -> None:
                              f"{r['reports_alone_samples_per_s']:9.0f} samples/s, ratio "
                              f"{r['reports_alone_ratio']:.3f} ({r['reports_alone_messages']} "
                              f"messages)\n")
+        cpu = {k: median([r["cpu_s_per_1k_samples"][k] for r in rows]) for k in
+               (*SPLIT, "total")}
+        their_cpu = median([r["handwritten_cpu_s_per_1k_samples"] for r in rows])
+        their_loop = median([r["handwritten_loop_cpu_s_per_1k_samples"] for r in rows])
+        doc["workloads"][name] |= {"median_cpu_s_per_1k_samples": cpu,
+                                   "median_handwritten_cpu_s_per_1k_samples": their_cpu,
+                                   "median_handwritten_loop_cpu_s_per_1k_samples": their_loop}
+        sys.stdout.write(f"{name:10s} CPU s per 1k samples (medians): ddpbus {cpu['total']:.3f} "
+                         "(" + ", ".join(f"{k.replace('_', ' ')} {cpu[k]:.3f}" for k in SPLIT)
+                         + f"); hand-written {their_cpu:.3f} (its timed loop {their_loop:.3f},"
+                         " against ddpbus's training threads)\n")
+        waiting = median([r["waiting_share"] for r in rows])
+        averaging = median([r["averaging_share"] for r in rows])
+        doc["workloads"][name] |= {"median_waiting_share": waiting,
+                                   "median_averaging_share": averaging}
+        sys.stdout.write(f"{name:10s} of a rank's training time (medians): waiting for the "
+                         f"coordinator {waiting:.1%}, averaging {averaging:.1%}\n")
         sys.stdout.write(f"{name:10s} median throughput ratio {ratio:.3f}  target >= {TARGET}: "
                          f"{'PASS' if ratio >= TARGET else 'FAIL'}  (every report alone: "
                          f"{alone:.3f})\n")

@@ -57,6 +57,22 @@ EXIT_OK, EXIT_FAILED, EXIT_REJECTED = 0, 1, 2
 STOP_GRACE_S = 5.0  # for the agent's tasks to end once cancelled, at exit
 
 
+def _log_cpu(rank: int, trainer: Trainer, started: tuple[float, float, float]) -> None:
+    """Where this process's CPU went while it trained: the training thread, this agent's
+    loop (NATS, the codec, publishing) and the rest (torch's and gloo's own threads); and
+    the training thread's wall time not spent on batches: waiting for the coordinator, in
+    averages. What ``bench/overhead.py`` reads to say where the time goes."""
+    wall0, process0, loop0 = started
+    spent = trainer.account
+    process = time.process_time() - process0
+    loop = time.thread_time() - loop0
+    log.info("rank %d: cpu %.3f s over %.3f s: training thread %.3f s, agent loop %.3f s, "
+             "other threads %.3f s; the training thread waited %.3f s for the coordinator "
+             "and averaged for %.3f s", rank, process, time.perf_counter() - wall0,
+             spent.cpu_s, loop, max(0.0, process - spent.cpu_s - loop), spent.waited_s,
+             spent.averaging_s)
+
+
 @dataclass(frozen=True, kw_only=True)
 class WorkerSettings:
     job: str
@@ -261,6 +277,7 @@ class WorkerAgent:
             return EXIT_FAILED
         self._coordinator_timeout = accept.run.coordinator_timeout_s
         trainer.on_done = self._trainer_done
+        started = (time.perf_counter(), time.process_time(), time.thread_time())
         trainer.start()
         watchdog = self._spawn(self._watch_coordinator(), "coordinator-watchdog")
         try:
@@ -280,6 +297,7 @@ class WorkerAgent:
         flushed = await self.publisher.flush(30.0 if self.watch.failure is None else 5.0)
         log.info("rank %d: %s (%s)", s.rank, "exiting" if outcome.clean else "failed",
                  outcome.reason)
+        _log_cpu(s.rank, trainer, started)
         if not flushed:
             log.error("rank %d: some reports were not stored before exit", s.rank)
         return EXIT_OK if outcome.clean and flushed and stored else EXIT_FAILED

@@ -168,6 +168,16 @@ class _Window:
     steps: int = 0  # optimizer steps since the last average
 
 
+@dataclass
+class Account:
+    """Where the training thread's time went, for the rank's exit log: its CPU seconds (set
+    as it ends) and the wall seconds it stood waiting for the coordinator once training
+    (for a window, a plan, a SyncNow) and spent inside averages (the collectives)."""
+    cpu_s: float = 0.0
+    waited_s: float = 0.0
+    averaging_s: float = 0.0
+
+
 class Trainer(threading.Thread):
     """Owns the model, the optimizer and the process group of one rank."""
 
@@ -217,6 +227,7 @@ class Trainer(threading.Thread):
         self.throttled = False
         self.ready_at = time.perf_counter()
         self.outcome: Outcome | None = None
+        self.account = Account()
         self.on_done: Callable[[Outcome], None] = lambda _o: None
         self._schedule: Callable[[int], float] | None = None
         self._lr_scale = 1.0
@@ -339,6 +350,7 @@ class Trainer(threading.Thread):
             log.exception("rank %d: training failed", self.rank)
             self.outcome = Outcome(clean=False, reason=f"{type(exc).__name__}: {exc}")
         finally:
+            self.account.cpu_s = time.thread_time()  # this thread's CPU, for the exit's account
             self.flush_reports()
             self._held += self._reports.release()  # before the agent's Exiting
             self.release()
@@ -373,9 +385,12 @@ class Trainer(threading.Thread):
                 continue
             self.flush_reports()  # going idle: nothing of this rank's stays behind
             self.release()
+            waiting = time.perf_counter()
             msg = self._next_input()
             # waiting for the coordinator (a plan, a window, a round) is not data time
             self.ready_at = time.perf_counter()
+            if self.step and isinstance(msg, _CYCLE):  # mid-run, not its start or end
+                self.account.waited_s += self.ready_at - waiting
             done = self._handle(msg)
             self.release()
             if done is not None:
@@ -513,9 +528,11 @@ class Trainer(threading.Thread):
                       "there is no collective (changes nothing)", self.rank)
             return
         steps = self.window.steps + self._carry
+        began = time.perf_counter()
         try:
             result = self._average(steps, run)
         except Exception as exc:  # a peer died or hung: keep our parameters, say so
+            self.account.averaging_s += time.perf_counter() - began
             log.warning("rank %d: averaging failed (%s); carrying %d steps to the next one",
                         self.rank, exc, steps)
             self._leave_group()
@@ -523,6 +540,7 @@ class Trainer(threading.Thread):
             self.outbox(m.SyncAck(rank=self.rank, step_count=self.step, divergence=0.0,
                                   failed=True))
         else:
+            self.account.averaging_s += time.perf_counter() - began
             self._carry, self.unaveraged = 0, False
             self.outbox(m.SyncAck(rank=self.rank, step_count=self.step,
                                   divergence=result.divergence, post_norm=result.post_norm,
@@ -772,6 +790,8 @@ def _to_device(batch: Any, device: torch.device) -> Any:
 
 
 _NEED_CONSENSUS = (m.ExecuteEvalCallback, m.Checkpoint, m.SaveConsensusModel)
+# what a rank waits for between batches in a run's steady state (the exit's account)
+_CYCLE = (m.SetGlobalStep, m.SyncNow, m.StartEpoch, m.ExtendPartition)
 
 _HANDLERS: dict[type[Any], Callable[[Trainer, Any], Outcome | None]] = {
     m.NewNcclSession: Trainer._on_session,

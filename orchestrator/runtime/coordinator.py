@@ -171,9 +171,13 @@ class Coordinator:
         nc = await s.nats.connect(s.job, name=f"ddpbus-{s.job}-coordinator",
                                deadline=s.connect_deadline, on_disconnect=self._bus_lost,
                                on_reconnect=self._bus_back)
+        wall0, cpu0 = time.perf_counter(), time.process_time()
         try:
             return await self._run(nc)
         finally:
+            # read by bench/overhead.py, beside each rank's own account
+            log.info("coordinator: cpu %.3f s over %.3f s", time.process_time() - cpu0,
+                     time.perf_counter() - wall0)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(nc.close(), 5.0)
             if self._events_file is not None:

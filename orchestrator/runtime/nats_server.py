@@ -221,6 +221,18 @@ class EmbeddedBroker:
             return "(no server log)"
         return "\n".join(text.splitlines()[-lines:])
 
+    def cpu_seconds(self) -> float | None:
+        """The CPU time the running server has used (user + system, from /proc), None
+        where that cannot be read (not Linux, not running)."""
+        if self.process is None:
+            return None
+        try:
+            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+        except (OSError, IndexError, ValueError):
+            return None
+        return ticks / os.sysconf("SC_CLK_TCK")
+
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM, then SIGKILL after ``timeout`` seconds; returns the exit status."""
         rc = None

@@ -221,6 +221,8 @@ class LocalRun:
                 self._signal(n, signal.SIGKILL)
             for f in self._logs:
                 f.close()
+            if (cpu := broker.cpu_seconds()) is not None:  # read by bench/overhead.py
+                log.info("nats-server: cpu %.3f s", cpu)
             broker.stop()
             key_file.unlink(missing_ok=True)
             shutil.rmtree(creds_dir, ignore_errors=True)  # useless once the broker is gone

@@ -42,6 +42,17 @@ def test_overhead_bench(tmp_path: Path) -> None:
     assert workload["reports_alone_median_ratio"] > 0
     (run,) = workload["runs"]
     assert run["messages"] < run["reports_alone_messages"]  # coalesced: fewer messages
+    # where the time goes: every process's exit account was found and read
+    cpu = run["cpu_s_per_1k_samples"]
+    assert set(cpu) == {"training_threads", "agent_loops", "worker_other_threads",
+                        "coordinator", "broker", "rest", "total"}, cpu
+    assert cpu["training_threads"] > 0
+    assert cpu["coordinator"] > 0
+    assert cpu["broker"] > 0
+    assert cpu["total"] >= cpu["training_threads"] + cpu["coordinator"] + cpu["broker"]
+    assert run["handwritten_loop_cpu_s_per_1k_samples"] > 0
+    assert 0 < run["waiting_share"] < 1
+    assert 0 < run["averaging_share"] < 1
 
 
 def test_control_latency_bench(tmp_path: Path) -> None:
