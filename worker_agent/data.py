@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
 
@@ -108,3 +110,81 @@ class Stager:
             except Exception:  # a hint failed: training reads the samples as it would
                 log.warning("the dataset's stage() failed; training goes on without it",
                             exc_info=True)
+
+
+def pin(batch: Any) -> Any:
+    """``batch`` with every CPU tensor in page-locked memory (a host-to-GPU copy from there
+    can be ``non_blocking``: it overlaps the GPU's work instead of waiting for it)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory() if batch.device.type == "cpu" else batch
+    if isinstance(batch, tuple | list):
+        return type(batch)(pin(b) for b in batch)
+    if isinstance(batch, dict):
+        return {k: pin(v) for k, v in batch.items()}
+    return batch
+
+
+class Prefetcher:
+    """The next ``depth`` batches of a rank's plans, fetched on one background thread while
+    the training thread computes (``depth`` 0: fetched in the training thread, as needed).
+
+    A plan's batches are known ahead: its indices are fixed, it is trained from the front
+    batch by batch, and plans are only appended behind it or dropped once done. So the
+    fetcher reads exactly the batches training will take, in the order it takes them; a
+    batch asked for that was not fetched ahead (the first of a run, one after the plans
+    changed) is fetched at once. ``pin_memory``: the batches land in page-locked memory
+    (CUDA). A fetch that fails raises in the training thread, when that batch is taken.
+    A plan is any object with ``indices``, ``batch_size``, ``pos``, ``ahead`` (the start of
+    its next batch not yet asked for) and ``take()``."""
+
+    def __init__(self, fetch: Callable[[np.ndarray[Any, np.dtype[np.int64]]], Any], *,
+                 depth: int, pin_memory: bool = False) -> None:
+        self.fetch = fetch
+        self.depth = depth
+        self.pin_memory = pin_memory
+        self.ahead_hits = 0  # batches taken that had been fetched ahead
+        # (plan, start) of each batch asked for, oldest first: the plan is held, so a
+        # done plan's identity is never another's while its batches wait here
+        self._pending: deque[tuple[Any, int, Future[Any]]] = deque()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpbus-prefetch") \
+            if depth > 0 else None
+
+    def _load(self, indices: np.ndarray[Any, np.dtype[np.int64]]) -> Any:
+        batch = self.fetch(indices)
+        return pin(batch) if self.pin_memory else batch
+
+    def take(self, plan: Any) -> Any:
+        """The plan's next batch (``plan.take()`` advances it), fetched ahead if it was."""
+        start = plan.pos
+        indices = plan.take()
+        plan.ahead = max(plan.ahead, plan.pos)
+        while self._pending and not (self._pending[0][0] is plan
+                                     and self._pending[0][1] == start):
+            self._pending.popleft()[2].cancel()  # asked for, then the plans changed
+        if self._pending:
+            self.ahead_hits += 1
+            return self._pending.popleft()[2].result()
+        return self._load(indices)
+
+    def ahead(self, plans: Iterable[Any]) -> None:
+        """Ask for the batches after the ones taken, up to ``depth`` in flight."""
+        if self._pool is None:
+            return
+        for plan in plans:
+            plan.ahead = max(plan.ahead, plan.pos)
+            while len(self._pending) < self.depth and \
+                    plan.ahead + plan.batch_size <= len(plan.indices):
+                indices = plan.indices[plan.ahead:plan.ahead + plan.batch_size]
+                self._pending.append((plan, plan.ahead, self._pool.submit(self._load,
+                                                                          indices)))
+                plan.ahead += plan.batch_size
+            if len(self._pending) >= self.depth:
+                return
+
+    def close(self) -> None:
+        """Drop what was asked for; the thread ends after the fetch it is in, if any."""
+        for *_, f in self._pending:
+            f.cancel()
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from ddpbus.codecs import messages as m
 from ddpbus.codecs.errors import ConfigError
@@ -37,6 +37,10 @@ from ddpbus.orchestrator.core.config import Schedule, schedule_from
 
 if TYPE_CHECKING:
     import torch
+
+
+MAX_PREFETCH: Final = 64
+AMP_DTYPES: Final[dict[str | None, str]] = {None: "", "bf16": "bfloat16"}  # amp -> torch dtype
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,7 +62,17 @@ class TrainSpec:
     - ``epoch_fn(epoch, ctx)``: run on the elected rank when it starts an epoch;
     - ``policy``: ``sync`` | ``cadence`` | ``async``; ``backend``: ``auto`` | ``nccl`` |
       ``gloo`` | ``broker``; ``knobs``: scheduler settings (see
-      ``ddpbus.orchestrator.core.config.KNOBS``).
+      ``ddpbus.orchestrator.core.config.KNOBS``);
+    - ``prefetch``: batches fetched ahead on a background thread while the rank computes
+      (in pinned memory on CUDA, copied with ``non_blocking``); 0 fetches each in the
+      training thread. None (the default): 2 on CUDA and for a dataset that is not an
+      in-memory ``TensorDataset``, 0 for one on the CPU (indexing memory costs less than
+      handing a batch between threads);
+    - ``amp``: ``"bf16"`` runs ``train_step`` (the forward pass and the loss) under
+      ``torch.autocast`` in bfloat16 (parameters, gradients and averages stay float32; bf16
+      needs no loss scaling); None trains in the model's dtype;
+    - ``cudnn_benchmark``: sets ``torch.backends.cudnn.benchmark`` in each rank (cuDNN
+      picks the fastest convolution algorithms for fixed input shapes).
     """
 
     model: Callable[[], torch.nn.Module]
@@ -77,10 +91,14 @@ class TrainSpec:
     policy: str = "cadence"
     backend: str = "auto"
     knobs: Mapping[str, Any] = field(default_factory=dict)
+    prefetch: int | None = None
+    amp: str | None = None
+    cudnn_benchmark: bool = False
 
     def __post_init__(self) -> None:
         self._check_callables()
         self._check_data()
+        self._check_speed()
         if not isinstance(self.knobs, Mapping):
             raise ConfigError("TrainSpec.knobs must be a mapping of knob name to value")
         for reserved in ("policy", "backend", "batch_size", "epochs"):
@@ -118,6 +136,25 @@ class TrainSpec:
                 or not self.max_grad_norm > 0):
             raise ConfigError(f"TrainSpec.max_grad_norm must be a number > 0, not "
                               f"{self.max_grad_norm!r}")
+
+    def _check_speed(self) -> None:
+        if self.prefetch is not None and (isinstance(self.prefetch, bool) or not isinstance(
+                self.prefetch, int) or not 0 <= self.prefetch <= MAX_PREFETCH):
+            raise ConfigError(f"TrainSpec.prefetch must be None or a whole number of batches "
+                              f"from 0 to {MAX_PREFETCH}, not {self.prefetch!r}")
+        if self.amp is not None and not (isinstance(self.amp, str) and self.amp in AMP_DTYPES):
+            raise ConfigError(f"TrainSpec.amp must be 'bf16' or None, not {self.amp!r} (fp16 "
+                              "would need loss scaling: bf16 has float32's range)")
+        if not isinstance(self.cudnn_benchmark, bool):
+            raise ConfigError(f"TrainSpec.cudnn_benchmark must be True or False, not "
+                              f"{self.cudnn_benchmark!r}")
+
+    def prefetch_depth(self, device: torch.device, dataset: Any) -> int:
+        """How many batches a rank on ``device`` fetches ahead of ``dataset`` (see above)."""
+        if self.prefetch is not None:
+            return self.prefetch
+        from torch.utils.data import TensorDataset
+        return 0 if device.type == "cpu" and isinstance(dataset, TensorDataset) else 2
 
     def schedule(self, overrides: Mapping[str, Any] | None = None) -> Schedule:
         """The spec's settings, then ``overrides`` (command-line flags), checked."""

@@ -40,9 +40,10 @@ from ddpbus.codecs import messages as m
 from ddpbus.orchestrator.core.coalesce import ReportBuffer
 from ddpbus.worker_agent import averaging, callbacks, checkpoint
 from ddpbus.worker_agent.callbacks import Outcome
-from ddpbus.worker_agent.data import BatchFetcher, Stager, plan_indices
+from ddpbus.worker_agent.data import BatchFetcher, Prefetcher, Stager, plan_indices
 from ddpbus.worker_agent.resources import ResourceProbe
 from ddpbus.worker_agent.spec import (
+    AMP_DTYPES,
     ScalarLedger,
     TrainSpec,
     WorkerContext,
@@ -150,6 +151,7 @@ class Plan:
     compute_ms: float = 0.0
     data_ms: float = 0.0
     started_at: float | None = None
+    ahead: int = 0  # the start of its next batch not yet asked of the prefetcher
 
     @property
     def done(self) -> bool:
@@ -190,10 +192,11 @@ class Trainer(threading.Thread):
         self.inbox: queue.SimpleQueue[m.ControlMsg | Halt | Consensus] = queue.SimpleQueue()
         self.device = settings.device
         self.resources = ResourceProbe(self.device)
-        self.dataset = spec.build_dataset()
-        self.stager = Stager(self.dataset)  # StageAdvisory's reader-ahead
-        self.eval_dataset = spec.build_eval_dataset()
-        self.fetch = BatchFetcher(self.dataset, spec.collate_fn)
+        self._setup_data(spec)
+        # bf16 autocast around train_step (spec.amp); cuDNN's algorithm search
+        self._amp = getattr(torch, AMP_DTYPES[spec.amp]) if spec.amp else None
+        if spec.cudnn_benchmark:
+            torch.backends.cudnn.benchmark = True
         self.model = spec.model().to(self.device)
         self.flat = averaging.FlatModel(self.model)
         self.optimizer = spec.optimizer(self.model.parameters())
@@ -246,6 +249,15 @@ class Trainer(threading.Thread):
         self._refused: set[str] = set()  # reasons already warned about
 
     # ------------------------------------------------------------------ set-up
+
+    def _setup_data(self, spec: TrainSpec) -> None:
+        self.dataset = spec.build_dataset()
+        self.stager = Stager(self.dataset)  # StageAdvisory's reader-ahead
+        self.eval_dataset = spec.build_eval_dataset()
+        self.fetch = BatchFetcher(self.dataset, spec.collate_fn)
+        self.loader = Prefetcher(self.fetch, depth=spec.prefetch_depth(self.device,
+                                                                        self.dataset),
+                                 pin_memory=self.device.type == "cuda")
 
     def configure(self, run: m.RunConfig, world_size: int) -> None:
         """The run settings from Accept (before the thread starts)."""
@@ -351,6 +363,7 @@ class Trainer(threading.Thread):
             self.outcome = Outcome(clean=False, reason=f"{type(exc).__name__}: {exc}")
         finally:
             self.account.cpu_s = time.thread_time()  # this thread's CPU, for the exit's account
+            self.loader.close()
             self.flush_reports()
             self._held += self._reports.release()  # before the agent's Exiting
             self.release()
@@ -708,12 +721,17 @@ class Trainer(threading.Thread):
         t0 = time.perf_counter()
         if plan.started_at is None:
             plan.started_at = t0
-        batch = _to_device(self.fetch(plan.take()), self.device)
+        batch = _to_device(self.loader.take(plan), self.device)
+        self.loader.ahead(self.plans)  # the next batches are read while this one computes
         t1 = time.perf_counter()
         self.release()  # the previous batch's reports go out while this one computes
         lr = self._set_lr()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.spec.train_step(self.model, batch)
+        if self._amp is None:
+            loss = self.spec.train_step(self.model, batch)
+        else:
+            with torch.autocast(device_type=self.device.type, dtype=self._amp):
+                loss = self.spec.train_step(self.model, batch)
         loss.backward()  # type: ignore[no-untyped-call]
         if self.spec.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm)

@@ -22,6 +22,13 @@ from ddpbus.worker_agent.spec import WorkerContext, bind_context, load_spec
     ({"max_grad_norm": "1"}, "max_grad_norm must be a number > 0, not '1'"),
     ({"max_grad_norm": True}, "max_grad_norm must be a number > 0"),
     ({"max_grad_norm": 0.0}, "max_grad_norm must be a number > 0"),
+    ({"prefetch": -1}, "prefetch must be None or a whole number of batches from 0 to 64"),
+    ({"prefetch": 65}, "prefetch must be None or a whole number of batches from 0 to 64"),
+    ({"prefetch": True}, "prefetch must be None or a whole number"),
+    ({"prefetch": 2.0}, "prefetch must be None or a whole number"),
+    ({"amp": "fp16"}, r"amp must be 'bf16' or None, not 'fp16' \(fp16 would need loss "),
+    ({"amp": ["bf16"]}, "amp must be 'bf16' or None"),
+    ({"cudnn_benchmark": "yes"}, "cudnn_benchmark must be True or False, not 'yes'"),
 ])
 def test_a_wrong_field_is_refused_with_what_it_should_be(change: dict[str, Any],
                                                          message: str) -> None:
