@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import torch
@@ -50,6 +50,7 @@ from ddpbus.worker_agent.spec import (
     bind_context,
     bind_ledger,
 )
+from ddpbus.worker_agent.timing import Span, clock_for
 
 if TYPE_CHECKING:
     from ddpbus.orchestrator.persist.bundles import Manifest
@@ -163,6 +164,24 @@ class Plan:
         return out
 
 
+# batches launched on the GPU whose report waits for their compute to end (timing.py):
+# one, so the host queues the next batch while the GPU finishes this one
+IN_FLIGHT: Final = 1
+
+
+@dataclass
+class _Launched:
+    """A batch whose optimizer step was queued: what its report needs once it is over."""
+    plan: Plan
+    step: int
+    loss: torch.Tensor
+    span: Span
+    data_ms: float
+    norm: float | None
+    update: m.LrUpdate | None
+    closing: bool
+
+
 @dataclass
 class _Window:
     open: bool = False
@@ -193,10 +212,7 @@ class Trainer(threading.Thread):
         self.device = settings.device
         self.resources = ResourceProbe(self.device)
         self._setup_data(spec)
-        # bf16 autocast around train_step (spec.amp); cuDNN's algorithm search
-        self._amp = getattr(torch, AMP_DTYPES[spec.amp]) if spec.amp else None
-        if spec.cudnn_benchmark:
-            torch.backends.cudnn.benchmark = True
+        self._setup_compute(spec)
         self.model = spec.model().to(self.device)
         self.flat = averaging.FlatModel(self.model)
         self.optimizer = spec.optimizer(self.model.parameters())
@@ -231,6 +247,7 @@ class Trainer(threading.Thread):
         self.ready_at = time.perf_counter()
         self.outcome: Outcome | None = None
         self.account = Account()
+
         self.on_done: Callable[[Outcome], None] = lambda _o: None
         self._schedule: Callable[[int], float] | None = None
         self._lr_scale = 1.0
@@ -249,6 +266,14 @@ class Trainer(threading.Thread):
         self._refused: set[str] = set()  # reasons already warned about
 
     # ------------------------------------------------------------------ set-up
+
+    def _setup_compute(self, spec: TrainSpec) -> None:
+        # bf16 autocast around train_step (spec.amp); cuDNN's algorithm search
+        self._amp = getattr(torch, AMP_DTYPES[spec.amp]) if spec.amp else None
+        if spec.cudnn_benchmark:
+            torch.backends.cudnn.benchmark = True
+        self.clock = clock_for(self.device)  # a batch's compute time, read once it is over
+        self._launched: deque[_Launched] = deque()
 
     def _setup_data(self, spec: TrainSpec) -> None:
         self.dataset = spec.build_dataset()
@@ -323,6 +348,7 @@ class Trainer(threading.Thread):
     def outbox(self, msg: m.Message, *, durable: bool = True) -> None:
         """Queue a report, after the per-batch reports made before it (the stream keeps
         the order they were made in); :meth:`release` hands the queue to the agent."""
+        self._settle()
         self.flush_reports()
         self._held.append((msg, durable))
         if isinstance(msg, m.SyncAck):  # the window is over: its held metrics go soon
@@ -364,6 +390,8 @@ class Trainer(threading.Thread):
         finally:
             self.account.cpu_s = time.thread_time()  # this thread's CPU, for the exit's account
             self.loader.close()
+            with contextlib.suppress(Exception):  # (a failed GPU: nothing more to read)
+                self._settle()
             self.flush_reports()
             self._held += self._reports.release()  # before the agent's Exiting
             self.release()
@@ -389,6 +417,7 @@ class Trainer(threading.Thread):
                     msg = self.inbox.get_nowait()
                 except queue.Empty:
                     break
+                self._settle()  # a message is handled with every batch reported
                 done = self._handle(msg)
                 self.release()
                 if done is not None:
@@ -396,6 +425,7 @@ class Trainer(threading.Thread):
             if self._can_train():
                 self._train_batch()
                 continue
+            self._settle()
             self.flush_reports()  # going idle: nothing of this rank's stays behind
             self.release()
             waiting = time.perf_counter()
@@ -727,6 +757,7 @@ class Trainer(threading.Thread):
         self.release()  # the previous batch's reports go out while this one computes
         lr = self._set_lr()
         self.optimizer.zero_grad(set_to_none=True)
+        begun = self.clock.begin()
         if self._amp is None:
             loss = self.spec.train_step(self.model, batch)
         else:
@@ -736,14 +767,11 @@ class Trainer(threading.Thread):
         if self.spec.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm)
         self.optimizer.step()
-        loss_value = float(loss.detach())
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
         if self.settings.slowdown > 1.0:
             time.sleep((t2 - t1) * (self.settings.slowdown - 1.0))
             t2 = time.perf_counter()
-        batch_ms, data_ms = (t2 - t1) * 1000.0, max(0.0, (t1 - self.ready_at) * 1000.0)
+        span = self.clock.end(begun, (t2 - t1) * 1000.0)  # on CUDA: read once it is over
         self.step += 1
         self.window.steps += 1
         self.ctx.local_step = self.step
@@ -753,21 +781,41 @@ class Trainer(threading.Thread):
         # the report after which this rank stops (budget reached, or no plan left) is stored
         # with an ack: the coordinator's gate waits on it; the others may be lost harmlessly
         closing = self.window.steps >= self.window.budget or (plan.done and len(self.plans) == 1)
-        reports: list[m.Batch | m.LrUpdate] = [m.Batch(
-            rank=self.rank, batch_ms=batch_ms, data_ms=data_ms, step_count=self.step,
-            param_norm=norm, batch_loss=loss_value if math.isfinite(loss_value) else None)]
+        update = None
         if lr != self._last_lr:
             self._last_lr = lr
-            reports.append(m.LrUpdate(rank=self.rank, lr=lr))
-        self._report(reports, t2, closing=closing)
-        plan.batches += 1
-        plan.loss_sum += loss_value
-        plan.compute_ms += batch_ms
-        plan.data_ms += data_ms
+            update = m.LrUpdate(rank=self.rank, lr=lr)
+        self._launched.append(_Launched(
+            plan=plan, step=self.step, loss=loss.detach(), span=span,
+            data_ms=max(0.0, (t1 - self.ready_at) * 1000.0), norm=norm, update=update,
+            closing=closing))
+        # the window's last batch, a plan's, and one whose train_step said an intent are
+        # reported at once (in step order); any other once its compute is over
+        self._settle(every=closing or plan.done or bool(self.ctx.intents))
         if plan.done:
             self._finish_plan(plan, t2)
         self.send_intents()
         self.ready_at = t2
+
+    def _settle(self, *, every: bool = True) -> None:
+        """Report the launched batches whose compute is over (``every``: all of them,
+        waiting for the GPU if it must), oldest first; at most ``IN_FLIGHT`` stay behind."""
+        while self._launched and (every or len(self._launched) > IN_FLIGHT
+                                  or self._launched[0].span.ready()):
+            b = self._launched.popleft()
+            batch_ms = b.span.ms()
+            loss_value = float(b.loss)
+            reports: list[m.Batch | m.LrUpdate] = [m.Batch(
+                rank=self.rank, batch_ms=batch_ms, data_ms=b.data_ms, step_count=b.step,
+                param_norm=b.norm,
+                batch_loss=loss_value if math.isfinite(loss_value) else None)]
+            if b.update is not None:
+                reports.append(b.update)
+            self._report(reports, time.perf_counter(), closing=b.closing)
+            b.plan.batches += 1
+            b.plan.loss_sum += loss_value
+            b.plan.compute_ms += batch_ms
+            b.plan.data_ms += b.data_ms
 
     def _finish_plan(self, plan: Plan, now: float) -> None:
         self.plans.popleft()

@@ -183,3 +183,72 @@ def test_a_window_message_after_the_prefetch_still_ends_in_every_batch_once() ->
     rank.wait_steps(4)
     rank.stop()
     assert [x.batches_processed for x in rank.of(m.MetricsMsg)] == [2, 2]
+
+
+class _SlowSpan:
+    """A GPU span that is over only once the host launched ``lag`` more batches."""
+
+    def __init__(self, clock: _LaggingClock, ms: float) -> None:
+        self.clock, self.at, self._ms = clock, clock.launched, ms
+        self.waited = False
+
+    def ready(self) -> bool:
+        return self.clock.launched - self.at >= self.clock.lag
+
+    def ms(self) -> float:
+        self.waited = self.waited or not self.ready()
+        return self._ms
+
+
+class _LaggingClock:
+    def __init__(self, lag: int) -> None:
+        self.lag, self.launched = lag, 0
+        self.spans: list[_SlowSpan] = []
+
+    def begin(self) -> None:
+        self.launched += 1
+
+    def end(self, _begun: None, host_ms: float) -> _SlowSpan:
+        span = _SlowSpan(self, host_ms)
+        self.spans.append(span)
+        return span
+
+
+@pytest.mark.parametrize("lag", [1, 3])
+def test_batches_whose_compute_is_still_running_are_reported_later_in_step_order(
+        lag: int) -> None:
+    """On CUDA a batch's report waits for its end event rather than a synchronize per
+    batch (timing.py): reported a batch later, in step order, the window's last at once;
+    what the coordinator hears is the same as from a rank that waited for every batch."""
+    def reports(rank: Rank) -> list[tuple[int, float | None]]:
+        return [(b.step_count, b.batch_loss) for b in rank.batches()]
+
+    torch.manual_seed(0)
+    plain = Rank(spec())
+    plain.trainer.start()
+    plain.put(window(plan(0, 0, N // 2)), m.StartEpoch(plan=m.EpochPlan(
+        epoch=1, partition_offset=0, partition_size=N // 2)))
+    plain.wait_steps(8)
+    plain.stop()
+
+    torch.manual_seed(0)
+    lagging = Rank(spec())
+    clock = _LaggingClock(lag)
+    lagging.trainer.clock = clock  # type: ignore[assignment]
+    lagging.trainer.start()
+    lagging.put(window(plan(0, 0, N // 2)), m.StartEpoch(plan=m.EpochPlan(
+        epoch=1, partition_offset=0, partition_size=N // 2)))
+    lagging.wait_steps(8)
+    lagging.stop()
+    assert reports(lagging) == reports(plain)
+    assert [b.step_count for b in lagging.batches()] == list(range(1, 9))
+    assert [(x.epoch, x.batches_processed, x.avg_loss) for x in lagging.of(m.MetricsMsg)] == [
+        (x.epoch, x.batches_processed, x.avg_loss) for x in plain.of(m.MetricsMsg)]
+    # a span still running was read without waiting only where it had to be: a plan's
+    # last batch (its metrics follow) and at most IN_FLIGHT behind the newest
+    waited = [i + 1 for i, s in enumerate(clock.spans) if s.waited]
+    if lag == 1:
+        assert waited == [4, 8]  # each plan's last batch
+    else:
+        assert 1 in waited  # IN_FLIGHT: the oldest is read once a second one is launched
+        assert {4, 8} <= set(waited)
