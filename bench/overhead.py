@@ -9,7 +9,8 @@ last average. Two workloads: batches of 64 (~1.5 ms each here: where a per-step 
 most) and 256 (~5 ms). Runs alternate; medians over ``--rounds``; target throughput ratio
 >= 0.97 at both. Beside it, in the same rounds: ddpbus with every per-batch report sent
 alone (``report_interval=0``, as flodl does) against the same baseline, to show what
-coalesced reports are worth.
+coalesced reports are worth, and ddpbus with ``prefetch=2`` (batches read on a background
+thread; the default is 0 for this in-memory dataset on the CPU), which must not cost.
 
 Where the time goes: CPU seconds per 1,000 samples, ddpbus's split by the accounts its
 processes log at exit (each rank's training thread, its agent loop, torch's and gloo's other
@@ -62,9 +63,10 @@ def handwritten(schedule: list[list[int]], env: dict[str, str]) -> tuple[float, 
         return float(json.loads(out.read_text())["wall_s"]), timed, children_cpu_s() - cpu0
 
 
-def _one(env: dict[str, str]) -> dict[str, Any]:
-    run = ddpbus_run("compute", env=env)
-    alone = ddpbus_run("compute", "--knob", "report_interval=0", env=env)
+def _one(env: dict[str, str], backend: tuple[str, ...]) -> dict[str, Any]:
+    run = ddpbus_run("compute", *backend, env=env)
+    alone = ddpbus_run("compute", "--knob", "report_interval=0", *backend, env=env)
+    ahead = ddpbus_run("compute", *backend, env=env | {"BENCH_PREFETCH": "2"})
     schedule = [[e["steps"]["0"], e["steps"]["1"]] for e in run.of("average")]
     samples = run.summary["global_step"] * int(env["BENCH_BATCH"])
     ours = run.summary["train_s"]
@@ -79,6 +81,8 @@ def _one(env: dict[str, str]) -> dict[str, Any]:
             "steps": run.summary["global_step"],
             "reports_alone_samples_per_s": alone_rate,
             "reports_alone_ratio": alone_rate / (samples / theirs),
+            "prefetch_ratio": (ahead.summary["global_step"] * int(env["BENCH_BATCH"])
+                               / ahead.summary["train_s"]) / (samples / theirs),
             "messages": run.summary["messages_handled"],
             "cpu_s_per_1k_samples": {k: v * per_k for k, v in run.cpu.items()
                                      if not k.startswith("wall_")},
@@ -96,16 +100,26 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--quick", action="store_true", help="smoke run: one short workload")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where both sides train (cuda: GPU rank %% count)")
+    ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
+                    help="both sides' collectives (nccl needs a GPU per rank)")
     args = ap.parse_args()
-    doc: dict[str, Any] = {"target": TARGET, "workloads": {}}
+    device = {"BENCH_DEVICE": args.device, "BENCH_BACKEND": args.backend}
+    backend = ("--backend", args.backend, "--device",
+               "auto" if args.device == "cuda" else "cpu")  # auto: cuda:<rank mod count>
+    doc: dict[str, Any] = {"target": TARGET, "device": args.device, "backend": args.backend,
+                           "workloads": {}}
     workloads = {"batch 256 (quick)": {"BENCH_BATCH": "256", "BENCH_EPOCHS": "1"}} \
         if args.quick else WORKLOADS
     for name, env in workloads.items():
-        rows = [_one(env) for _ in range(args.rounds)]
+        rows = [_one(env | device, backend) for _ in range(args.rounds)]
         ratio = median([r["ratio"] for r in rows])
         alone = median([r["reports_alone_ratio"] for r in rows])
+        prefetch = median([r["prefetch_ratio"] for r in rows])
         doc["workloads"][name] = {"runs": rows, "median_ratio": ratio,
-                                  "reports_alone_median_ratio": alone}
+                                  "reports_alone_median_ratio": alone,
+                                  "prefetch_median_ratio": prefetch}
         for r in rows:
             sys.stdout.write(f"{name:10s} ddpbus {r['ddpbus_samples_per_s']:9.0f} samples/s  "
                              f"hand-written {r['handwritten_samples_per_s']:9.0f} samples/s  "
@@ -133,11 +147,13 @@ def main() -> None:
                          f"coordinator {waiting:.1%}, averaging {averaging:.1%}\n")
         sys.stdout.write(f"{name:10s} median throughput ratio {ratio:.3f}  target >= {TARGET}: "
                          f"{'PASS' if ratio >= TARGET else 'FAIL'}  (every report alone: "
-                         f"{alone:.3f})\n")
+                         f"{alone:.3f}; prefetch=2: {prefetch:.3f})\n")
     sys.stdout.write(f"wrote {write_json('overhead', doc, args.json)}\n")
-    record("overhead-quick" if args.quick else "overhead", doc,
+    record(("overhead-quick" if args.quick else "overhead")
+           + ("-cuda" if args.device == "cuda" else ""), doc,
            {f"{name} {k}": w[k] for name, w in doc["workloads"].items()
-            for k in ("median_ratio", "reports_alone_median_ratio")}, args.json)
+            for k in ("median_ratio", "reports_alone_median_ratio", "prefetch_median_ratio")},
+           args.json)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Compute-bound training: a 0.4 M-parameter MLP on synthetic data.
 
-``BENCH_BATCH`` (default 256) sets the batch size; ``BENCH_EPOCHS`` (default 6) the epochs.
+``BENCH_BATCH`` (default 256) sets the batch size; ``BENCH_EPOCHS`` (default 6) the epochs;
+``BENCH_PREFETCH`` (default: the spec's own default, 0 for this in-memory dataset on the CPU)
+the batches read ahead.
 """
 
 from __future__ import annotations
@@ -41,4 +43,5 @@ spec = TrainSpec(
     batch_size=BATCH,
     epochs=int(os.environ.get("BENCH_EPOCHS", "6")),
     policy="cadence",
+    prefetch=int(os.environ["BENCH_PREFETCH"]) if "BENCH_PREFETCH" in os.environ else None,
 )

@@ -73,6 +73,15 @@ def byte_limit(text: str) -> int:
     return value
 
 
+def device(text: str) -> str:
+    """A worker's device: auto, cpu, cuda or cuda:N."""
+    value = text.strip().lower()
+    if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:")
+                                             and value[5:].isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"{text!r} is not a device: auto, cpu, cuda or cuda:N")
+
+
 def job(text: str) -> str:
     try:
         return sj.check_job(text)

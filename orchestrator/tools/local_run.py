@@ -87,6 +87,7 @@ class LocalRun:
     job: str
     summary_path: Path | None = None
     torch_threads: int = 1
+    device: str = "auto"  # each worker's (--device)
     progress: bool = True
     wire_json: bool = False
     resume: str | None = None  # a directory holding the bundle to continue from
@@ -109,7 +110,7 @@ class LocalRun:
         return cls(spec_ref=args.spec, workers=workers, overrides=schedule_overrides(args),
                    slowdowns=parse_slowdowns(list(args.slowdown or []), workers),
                    out_dir=args.out or Path("ddpbus-runs") / job, job=job,
-                   summary_path=args.summary, torch_threads=threads,
+                   summary_path=args.summary, torch_threads=threads, device=args.device,
                    progress=not args.no_progress and sys.stderr.isatty(),
                    wire_json=args.wire_json, resume=_resume_dir(args.resume, schedule),
                    authenticate=not args.no_auth)
@@ -161,7 +162,7 @@ class LocalRun:
             argv = ["worker", *common, *self._login(sj.rank_consumer(rank)),
                     "--rank", str(rank), "--out", str(self.out_dir),
                     "--bundle-dir", str(self.out_dir / "bundles"),
-                    "--torch-threads", str(self.torch_threads)]
+                    "--torch-threads", str(self.torch_threads), "--device", self.device]
             if rank in self.slowdowns:
                 argv += ["--slowdown", str(self.slowdowns[rank])]
             if self.wire_json:

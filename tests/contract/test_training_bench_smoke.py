@@ -40,6 +40,8 @@ def test_overhead_bench(tmp_path: Path) -> None:
     assert workload["median_ratio"] > 0
     assert math.isfinite(workload["reports_alone_median_ratio"])
     assert workload["reports_alone_median_ratio"] > 0
+    assert math.isfinite(workload["prefetch_median_ratio"])
+    assert workload["prefetch_median_ratio"] > 0
     (run,) = workload["runs"]
     assert run["messages"] < run["reports_alone_messages"]  # coalesced: fewer messages
     # where the time goes: every process's exit account was found and read

@@ -3,6 +3,8 @@
 Usage: python ddp_reference.py RANK WORLD STORE_FILE OUT_FILE. Rank r trains, at step k of
 epoch e, the batch ddpbus's sync policy gives it (equal consecutive slices of the epoch's
 shared permutation), one optimizer step per batch, gradients averaged by DDP.
+``DDP_DEVICE=cuda`` trains on GPU ``rank % count`` with ``DDP_BACKEND`` (gloo, or nccl
+given a GPU per rank): tests/gpu's parity check.
 """
 
 from __future__ import annotations
@@ -27,18 +29,22 @@ from ddpbus.worker_agent.data import epoch_permutation
 def main() -> None:
     rank, world, store_file, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_file, world), rank=rank,
+    cuda = os.environ.get("DDP_DEVICE") == "cuda"
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else \
+        torch.device("cpu")
+    dist.init_process_group(os.environ.get("DDP_BACKEND", "gloo"),
+                            store=dist.FileStore(store_file, world), rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
     torch.manual_seed(parity.SEED)
-    model = parity.spec.model()
-    ddp = DistributedDataParallel(model)
+    model = parity.spec.model().to(device)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=parity.LR)
-    x_all, y_all = parity.TRAIN.tensors
+    x_all, y_all = (t.to(device) for t in parity.TRAIN.tensors)
     n, b = len(parity.TRAIN), parity.BATCH
     shares = equal_split(n // b, range(world))
     first = sum(shares[r] for r in range(rank))
     for epoch in range(parity.EPOCHS):
-        perm = torch.from_numpy(epoch_permutation(n, parity.SEED, epoch).copy())
+        perm = torch.from_numpy(epoch_permutation(n, parity.SEED, epoch).copy()).to(device)
         for k in range(shares[rank]):
             idx = perm[(first + k) * b:(first + k + 1) * b]
             opt.zero_grad()
@@ -46,7 +52,8 @@ def main() -> None:
             loss.backward()
             opt.step()
     if rank == 0:
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out)
+        save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+                  out)
     dist.barrier()  # nobody tears gloo down while a peer still talks to it
     dist.destroy_process_group()
 

@@ -49,10 +49,15 @@ def main() -> None:
         with lock:
             sent.append(msg)
 
+    # tests/gpu runs it on CUDA too: RELEASE_DEVICE=cuda (GPU rank % count), and
+    # RELEASE_BACKEND=nccl given a GPU per rank
+    device = torch.device("cuda", rank % torch.cuda.device_count()) \
+        if os.environ.get("RELEASE_DEVICE") == "cuda" else torch.device("cpu")
+    backend = m.Backend(os.environ.get("RELEASE_BACKEND", m.Backend.GLOO.value))
     trainer = Trainer(spec(), TrainerSettings(
-        rank=rank, device=torch.device("cpu"),
+        rank=rank, device=device,
         store_factory=lambda: dist.FileStore(str(where / "store"), -1)), outbox)
-    trainer.configure(replace(run_config(), backend=m.Backend.GLOO,
+    trainer.configure(replace(run_config(), backend=backend,
                               collective_timeout_s=COLLECTIVE_TIMEOUT_S), world_size=2)
     trainer.start()
     trainer.inbox.put(m.NewNcclSession(uid_bytes=b"\x01" * m.NCCL_ID_BYTES, new_rank=rank,

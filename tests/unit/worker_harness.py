@@ -55,8 +55,8 @@ class Rank:
         self.refused: list[str] = []
         self._lock = threading.Condition()
         self.trainer = Trainer(train_spec or spec(), TrainerSettings(
-            rank=0, device=torch.device("cpu"), store_factory=dist.HashStore,
-            refusal_sink=self.refused.append, **settings), self._outbox)
+            **({"rank": 0, "device": torch.device("cpu"), "store_factory": dist.HashStore,
+                "refusal_sink": self.refused.append} | settings)), self._outbox)
         self.trainer.configure(run_config(), world_size=2)
 
     def _outbox(self, msg: m.Message, _durable: bool) -> None:

@@ -38,6 +38,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     run_.add_argument("--job", type=argtypes.job, help="job name (default: a fresh one)")
     run_.add_argument("--torch-threads", type=argtypes.positive, help="torch threads per "
                       "worker (default: cores / workers)")
+    run_.add_argument("--device", type=argtypes.device, default="auto", help="every worker's "
+                      "device: auto (default: cuda:<rank mod count> with CUDA, else cpu), "
+                      "cpu, cuda, cuda:N")
     run_.add_argument("--no-progress", action="store_true", help="no live progress display")
     run_.add_argument("--wire-json", action="store_true", help="proto3 JSON payloads")
     run_.add_argument("--resume", metavar="DIR", help="continue from the latest resume "

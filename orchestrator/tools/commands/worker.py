@@ -40,8 +40,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "DDPBUS_RANK)")
     worker.add_argument("--out", type=Path, help="directory for consensus and rank saves "
                         "(env DDPBUS_OUT)")
-    worker.add_argument("--device", help="auto (default: cuda:<rank mod count> with CUDA, "
-                        "else cpu), cpu, cuda, cuda:N (env DDPBUS_DEVICE)")
+    worker.add_argument("--device", type=argtypes.device, help="auto (default: cuda:<rank "
+                        "mod count> with CUDA, else cpu), cpu, cuda, cuda:N (env "
+                        "DDPBUS_DEVICE)")
     worker.add_argument("--torch-threads", type=argtypes.positive, help="torch intra-op "
                         "threads")
     worker.add_argument("--slowdown", type=argtypes.slowdown, default=1.0, help="SIMULATION: "
