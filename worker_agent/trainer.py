@@ -62,6 +62,14 @@ Outbox = Callable[[m.Message, bool], None]
 stream's store ack (per-batch reports only)."""
 
 
+# the process groups left with a released collective in flight (_forget_groups): held for
+# the process's life, never freed. Freeing one runs its destructor, which joins the backend
+# threads still waiting on the dead peer, until the collective timeout: a process that
+# holds any must leave with os._exit (commands/worker.py), not through the interpreter's
+# finalization, which would free them
+GRAVEYARD: list[object] = []
+
+
 def _forget_groups(graveyard: list[object]) -> None:
     """Unregister every process group, as ``destroy_process_group()`` does, without its
     ``shutdown()`` (which waits for the collectives in flight): a group whose collective was
@@ -242,7 +250,7 @@ class Trainer(threading.Thread):
         self._abandoned = False  # the group has a released collective still in flight
         # groups left with a collective in flight: never destroyed (that would wait for
         # it), kept referenced so no destructor joins their stuck threads either
-        self._graveyard: list[object] = []
+        self._graveyard = GRAVEYARD
         self.throttled = False
         self.ready_at = time.perf_counter()
         self.outcome: Outcome | None = None

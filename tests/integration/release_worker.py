@@ -91,6 +91,7 @@ def main() -> None:
         "released_s": released_s, "first_failed": first.failed,
         "second_failed": second.failed, "parameters_kept": kept,
         "released": trainer.released, "graveyard": len(trainer._graveyard)}))
+    # (returning frees the trainer, not the released group: trainer.GRAVEYARD holds it)
     trainer.halt("test over", clean=True)
     trainer.join(timeout=30)
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -72,4 +75,15 @@ def run(args: argparse.Namespace) -> int:
                               device=args.device or "auto", slowdown=args.slowdown,
                               torch_threads=args.torch_threads, wire_json=args.wire_json,
                               exit_grace=EXIT_GRACE, bundle_dir=args.bundle_dir)
-    return asyncio.run(WorkerAgent(settings, spec).run())
+    rc = asyncio.run(WorkerAgent(settings, spec).run())
+    from ddpbus.worker_agent.trainer import GRAVEYARD
+
+    if GRAVEYARD:
+        # a released collective's group: freeing it at the interpreter's exit would wait
+        # for its dead peer until the collective timeout (trainer.GRAVEYARD); all is said
+        # and stored by now, so leave without finalization
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
