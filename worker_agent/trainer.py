@@ -87,6 +87,24 @@ def _forget_groups(graveyard: list[object]) -> None:
     c10d._unregister_all_process_groups()
 
 
+# TORCH_NCCL_ASYNC_ERROR_HANDLING: torch's default (3) tears the process down when its
+# watchdog sees a failed or timed-out collective; 1 aborts the communicator, then does the
+# same. A ddpbus rank must survive a dead peer: the coordinator declares it dead, the
+# survivors abort their communicator (or the watchdog does, at the collective timeout) and
+# form a new session. So 2: abort the communicator only. Set unless the operator set it.
+NCCL_ERROR_HANDLING: Final = "2"
+
+
+def nccl_error_handling() -> str:
+    """Choose TORCH_NCCL_ASYNC_ERROR_HANDLING before a NCCL group is made (read then)."""
+    chosen = os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_ERROR_HANDLING)
+    if chosen != NCCL_ERROR_HANDLING:
+        log.warning("TORCH_NCCL_ASYNC_ERROR_HANDLING=%s (set outside ddpbus): with 1 or 3 a "
+                    "dead peer's failed collective ends this process instead of letting it "
+                    "join the survivors' next session", chosen)
+    return chosen
+
+
 def _abort_nccl() -> None:
     """Abort the NCCL communicators of the default group (``ncclCommAbort``), from a thread
     other than the one blocked in the collective: its kernel then returns with an error
@@ -483,6 +501,7 @@ class Trainer(threading.Thread):
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = self.device
+            nccl_error_handling()
         try:
             dist.init_process_group(backend, store=PrefixStore(
                 prefix, self.settings.store_factory()), rank=msg.new_rank,

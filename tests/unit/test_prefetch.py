@@ -252,3 +252,4 @@ def test_batches_whose_compute_is_still_running_are_reported_later_in_step_order
     else:
         assert 1 in waited  # IN_FLIGHT: the oldest is read once a second one is launched
         assert {4, 8} <= set(waited)
+

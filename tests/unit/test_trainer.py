@@ -220,3 +220,14 @@ def test_a_stage_advisory_reaches_a_dataset_that_can_read_ahead() -> None:
     assert data.asked == [want]
     assert rank.trainer.stager.latest == advisory
     assert rank.trainer.stager.staged == 3 * BATCH
+
+
+def test_nccl_error_handling_aborts_the_communicator_and_keeps_the_process(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from ddpbus.worker_agent import trainer
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    assert trainer.nccl_error_handling() == "2"
+    assert not caplog.records
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # an operator's choice stays
+    assert trainer.nccl_error_handling() == "3"
+    assert "ends this process" in caplog.text
