@@ -60,16 +60,24 @@ def nats_access(args: argparse.Namespace, identity: str) -> Access:
 
 
 def system_access(args: argparse.Namespace) -> Access | None:
-    """The coordinator's system-account login (``--nats-system-nkey`` or ``-creds``), on
-    the job's URL with its TLS settings; None without one."""
+    """The coordinator's system-account login (``--nats-system-nkey``, ``-creds`` or
+    ``-user`` with ``-password-file``), on the job's URL with its TLS settings; None
+    without one."""
     nkey, creds = getattr(args, "nats_system_nkey", None), getattr(args, "nats_system_creds",
                                                                    None)
-    if nkey is None and creds is None:
+    user = getattr(args, "nats_system_user", None)
+    password = getattr(args, "nats_system_password_file", None)
+    given = [n for n, v in (("--nats-system-nkey", nkey), ("--nats-system-creds", creds),
+                            ("--nats-system-user", user)) if v is not None]
+    if not given and password is None:
         return None
-    if nkey is not None and creds is not None:
-        raise ConfigError("choose one system-account login: --nats-system-nkey or "
-                          "--nats-system-creds, not both")
-    auth = NatsAuth(nkey=nkey, creds=creds, tls_ca=getattr(args, "nats_tls_ca", None),
+    if len(given) > 1:
+        raise ConfigError(f"choose one system-account login, not {' and '.join(given)}")
+    if (user is None) != (password is None):
+        raise ConfigError("--nats-system-user needs --nats-system-password-file, and the "
+                          "password file a user")
+    auth = NatsAuth(nkey=nkey, creds=creds, user=user, password_file=password,
+                    tls_ca=getattr(args, "nats_tls_ca", None),
                     tls_cert=getattr(args, "nats_tls_cert", None),
                     tls_key=getattr(args, "nats_tls_key", None))
     within = getattr(args, "timeout", None)

@@ -26,6 +26,8 @@ ENV = {
     "spec": "DDPBUS_SPEC", "lease_ttl": "DDPBUS_LEASE_TTL", "resume": "DDPBUS_RESUME",
     "metrics_port": "DDPBUS_METRICS_PORT", "report": "DDPBUS_REPORT",
     "nats_system_nkey": "DDPBUS_NATS_SYSTEM_NKEY", "nats_system_creds": "DDPBUS_NATS_SYSTEM_CREDS",
+    "nats_system_user": "DDPBUS_NATS_SYSTEM_USER",
+    "nats_system_password_file": "DDPBUS_NATS_SYSTEM_PASSWORD_FILE",
     **flags.NATS_LOGIN_ENV,
 }
 
@@ -56,6 +58,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     presence.add_argument("--nats-system-creds", type=Path, metavar="FILE", help="a JWT "
                           ".creds file of a system-account user (env "
                           "DDPBUS_NATS_SYSTEM_CREDS)")
+    presence.add_argument("--nats-system-user", help="a system-account user name (env "
+                          "DDPBUS_NATS_SYSTEM_USER), with --nats-system-password-file")
+    presence.add_argument("--nats-system-password-file", type=Path, metavar="FILE",
+                          help="that user's password (env DDPBUS_NATS_SYSTEM_PASSWORD_FILE)")
     coord.add_argument("--summary", type=Path, help="write the run summary JSON here")
     coord.add_argument("--events", type=Path, help="append the decision log (JSON lines)")
     coord.add_argument("--standby", action="store_true",
