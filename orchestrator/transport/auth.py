@@ -275,7 +275,8 @@ class NatsAuth:
         for name in ("nkey", "creds", "password_file", "tls_ca", "tls_cert", "tls_key"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
-                raise ConfigError(f"NATS {name.replace('_', ' ')} file {path} does not exist")
+                raise ConfigError(f"NATS {name.removesuffix('_file').replace('_', ' ')} file "
+                                  f"{path} does not exist")
         if self.nkey is not None:
             seed = self.nkey.read_bytes().strip()
             try:

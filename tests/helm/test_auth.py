@@ -266,3 +266,62 @@ def test_a_login_change_rolls_its_own_pods_and_the_server(helm: Path) -> None:
     stable = {nats_server(render(helm, ["auth.enabled=false"]))["spec"]["template"]["metadata"]
               ["annotations"]["checksum/config"] for _ in range(2)}
     assert len(stable) == 1
+
+
+SYSTEM_SECRET = "train-ddpbus-nats-system"  # noqa: S105 (a Secret's name)
+
+
+def test_the_system_login_is_the_coordinators_alone_in_the_servers_system_account(
+        helm: Path) -> None:
+    """coordinator.presence (on by default): the bundled server gets a system account with
+    one user, whose login only the coordinator's pods hold (fast death detection)."""
+    docs = render(helm, ["training.workers=2", "coordinator.replicas=2"])
+    conf = secret(docs, "train-ddpbus-nats-config")["auth.conf"].splitlines()
+    assert "system_account: SYS" in conf
+    [block] = [x for x in conf if x.startswith("accounts ")]
+    login = secret(docs, SYSTEM_SECRET)
+    assert json.loads(block.removeprefix("accounts ")) == {
+        "SYS": {"users": [{"user": "system", "password": login["bcrypt"]}]}}
+    assert "system" not in nats_users(docs)  # not a user of the job's account
+    holders = {doc["metadata"]["name"] for doc in docs
+               if (pod := pod_spec(doc)) is not None and SYSTEM_SECRET in secrets_used(pod)}
+    assert holders == {coordinator_job(docs)["metadata"]["name"]}
+    e = env(container(coordinator_job(docs)))
+    assert e["DDPBUS_NATS_SYSTEM_USER"] == "system"
+    assert e["DDPBUS_NATS_SYSTEM_PASSWORD_FILE"] == "/etc/ddpbus/nats-system/password"  # noqa: S105
+
+
+@pytest.mark.parametrize("sets", [
+    ["coordinator.presence.enabled=false"],
+    ["auth.enabled=false"],
+    ["nats.bundled=false", "nats.url=nats://n:4222", "auth.existing.secretPrefix=login"],
+], ids=["off", "no-auth", "existing-server-without-its-secret"])
+def test_without_a_system_login_heartbeats_alone_judge(helm: Path, sets: list[str]) -> None:
+    docs = render(helm, sets)
+    assert not {k for k in env(container(coordinator_job(docs)))
+                if k.startswith("DDPBUS_NATS_SYSTEM_")}
+    assert SYSTEM_SECRET not in {d["metadata"]["name"] for d in by_kind(docs, "Secret")}
+    for d in by_kind(docs, "Secret"):
+        assert "system_account" not in "".join(decoded(d).values())
+
+
+@pytest.mark.parametrize(("kind", "variable", "key"), [
+    ("password", "DDPBUS_NATS_SYSTEM_PASSWORD_FILE", "password"),
+    ("creds", "DDPBUS_NATS_SYSTEM_CREDS", "creds"), ("nkey", "DDPBUS_NATS_SYSTEM_NKEY", "seed")])
+def test_an_existing_servers_system_login_comes_from_its_secret(
+        helm: Path, kind: str, variable: str, key: str) -> None:
+    docs = render(helm, ["nats.bundled=false", "nats.url=nats://n:4222",
+                         "auth.existing.secretPrefix=login", f"auth.existing.kind={kind}",
+                         "coordinator.presence.existingSecret=sys-login"])
+    coordinator = coordinator_job(docs)
+    e = env(container(coordinator))
+    assert e[variable] == f"/etc/ddpbus/nats-system/{key}"
+    if kind == "password":
+        assert e["DDPBUS_NATS_SYSTEM_USER"] == {"secretKeyRef": {"name": "sys-login",
+                                                                 "key": "user"}}
+    pod = coordinator["spec"]["template"]["spec"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == "nats-system"]
+    assert volume["projected"]["sources"] == [
+        {"secret": {"name": "sys-login", "items": [{"key": key, "path": key}]}}]
+    assert {"name": "nats-system", "mountPath": "/etc/ddpbus/nats-system",
+            "readOnly": True} in pod["containers"][0]["volumeMounts"]

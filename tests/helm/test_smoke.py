@@ -35,6 +35,9 @@ BIN = Path(sys.executable).parent
 Secrets = dict[str, dict[str, bytes]]  # name -> key -> content, as the cluster holds them
 
 
+READS_ADVISORIES = "reading the broker's client advisories"  # the coordinator's log
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -42,7 +45,8 @@ def free_port() -> int:
 
 
 def local(value: str, mapping: dict[str, str]) -> str:
-    for far, near in mapping.items():
+    # the longest path first: /etc/ddpbus/nats-system is not /etc/ddpbus/nats + "-system"
+    for far, near in sorted(mapping.items(), key=lambda kv: -len(kv[0])):
         value = value.replace(far, near)
     return value
 
@@ -155,6 +159,7 @@ def test_the_bundled_server_config_logins_and_mutual_tls(helm: Path, tmp_path: P
     config = server_config(secrets, tmp_path / "nats")
     with EmbeddedBroker(BrokerConfig(store_dir=tmp_path / "store", config_file=config)) as b:
         run_rendered(docs, b.url, secrets, tmp_path)
+    assert READS_ADVISORIES in (tmp_path / "coordinator.log").read_text()
 
 
 def test_the_bundled_server_with_existing_logins(helm: Path, tmp_path: Path,
@@ -164,36 +169,43 @@ def test_the_bundled_server_with_existing_logins(helm: Path, tmp_path: Path,
     sets = [*BASE, f"coordinator.metrics.port={free_port()}",
             "auth.existing.secretPrefix=login", "jobKey.existingSecret=key"]
     docs = render(helm, sets)
+    # the job's identities and the coordinator's system-account login (coordinator.presence)
+    logins = [*auth.identities(2), "system"]
     secrets: Secrets = {f"login-{i}": {"user": i.encode(), "password": os.urandom(12).hex()
-                                       .encode()} for i in auth.identities(2)}
+                                       .encode()} for i in logins}
     secrets["key"] = {"job.key": os.urandom(32).hex().encode()}
     secrets |= rendered_secrets(docs)
     [server] = by_kind(docs, "StatefulSet")
     _, server_env = process({**server["spec"]["template"]["spec"]["containers"][0],
                              "command": ["nats-server"], "args": []}, {}, secrets)
     assert {k for k in server_env if k.startswith("LOGIN_")} == {
-        f"LOGIN_{i.upper().replace('-', '_')}_{k}" for i in auth.identities(2)
-        for k in ("USER", "PASSWORD")}
+        f"LOGIN_{i.upper().replace('-', '_')}_{k}" for i in logins for k in ("USER", "PASSWORD")}
     for k, v in server_env.items():
         monkeypatch.setenv(k, v)  # the server's environment, as its pod has it
     config = server_config(secrets, tmp_path / "nats")
     with EmbeddedBroker(BrokerConfig(store_dir=tmp_path / "store", config_file=config)) as b:
         run_rendered(docs, b.url, secrets, tmp_path)
+    assert READS_ADVISORIES in (tmp_path / "coordinator.log").read_text()
 
 
 def test_an_existing_server_with_nkey_secrets(helm: Path, tmp_path: Path) -> None:
-    """The server `ddpbus broker --auth` runs; the URL from a Secret, proto3 JSON wire."""
+    """The server `ddpbus broker --auth` runs; the URL from a Secret, proto3 JSON wire, and
+    its system-account user's seed in coordinator.presence.existingSecret."""
     creds = auth.write_credentials(tmp_path / "auth", "smoke", 2)
     secrets: Secrets = {f"login-{i}": {"seed": creds.seed(i).read_bytes()}
                         for i in creds.identities}
+    system = tmp_path / "auth" / "system.nk"
     sets = [*BASE, f"coordinator.metrics.port={free_port()}", "nats.bundled=false",
             "nats.urlSecret.name=nats-url", "auth.existing.secretPrefix=login",
-            "auth.existing.kind=nkey", "training.wireJson=true"]
-    with EmbeddedBroker(BrokerConfig(store_dir=tmp_path / "store",
-                                     auth_file=creds.config)) as b:
+            "auth.existing.kind=nkey", "training.wireJson=true",
+            "coordinator.presence.existingSecret=system-login"]
+    with EmbeddedBroker(BrokerConfig(store_dir=tmp_path / "store", auth_file=creds.config,
+                                     system_seed=system)) as b:
         secrets["nats-url"] = {"url": b.url.encode()}
+        secrets["system-login"] = {"seed": system.read_bytes()}
         docs = render(helm, sets)
         run_rendered(docs, b.url, rendered_secrets(docs) | secrets, tmp_path)
+    assert READS_ADVISORIES in (tmp_path / "coordinator.log").read_text()
 
 
 def kubelet_env(docs: list[dict[str, Any]], pod: dict[str, Any], name: str) -> dict[str, str]:
@@ -312,6 +324,11 @@ def test_a_release_trains_with_the_env_kubernetes_gives(helm: Path, tmp_path: Pa
     config = server_config(secrets, tmp_path / "nats", release)
     with EmbeddedBroker(BrokerConfig(store_dir=tmp_path / "store", config_file=config)) as b:
         ran = run_rendered(docs, b.url, secrets, tmp_path, release, epochs=30, kill=1)
+        # the bundled server's system account: the kill is the broker's word, not silence
+        coordinator = (tmp_path / "coordinator.log").read_text()
+        assert READS_ADVISORIES in coordinator
+        assert f"the broker closed ddpbus-{release}-rank-1's connection" in coordinator, \
+            coordinator[-3000:]
         # it rejoined (or, on a machine slow to start it, found the run already over)
         replaced = (tmp_path / "worker-1-replacement.log").read_text()
         assert "rejoin sent" in replaced or "nothing to join" in replaced, replaced

@@ -9,6 +9,36 @@
 {{- toJson $ids -}}
 {{- end -}}
 
+{{/* fast death detection (coordinator.presence): "true" when the coordinator gets a login
+to the server's system account, whose client advisories name a killed rank's closed
+connection: the bundled server (the chart makes that account and its login), or an
+existing one with coordinator.presence.existingSecret */}}
+{{- define "ddpbus.presence" -}}
+{{- $p := .Values.coordinator.presence -}}
+{{- if and $p.enabled .Values.auth.enabled (or .Values.nats.bundled $p.existingSecret) -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* the identities whose logins the bundled server holds: the job's, and "system" (the
+coordinator's system-account login) with coordinator.presence */}}
+{{- define "ddpbus.serverLogins" -}}
+{{- $ids := include "ddpbus.identities" . | fromJsonArray -}}
+{{- if include "ddpbus.presence" . -}}
+{{- $ids = append $ids "system" -}}
+{{- end -}}
+{{- toJson $ids -}}
+{{- end -}}
+
+{{/* the Secret of the coordinator's system-account login */}}
+{{- define "ddpbus.systemSecret" -}}
+{{- if .Values.nats.bundled -}}
+{{- include "ddpbus.identitySecret" (dict "root" . "identity" "system") -}}
+{{- else -}}
+{{- .Values.coordinator.presence.existingSecret -}}
+{{- end -}}
+{{- end -}}
+
 {{/* the Secret of one identity: (dict "root" . "identity" "rank-0") */}}
 {{/* the chart makes the logins: the bundled server, no auth.existing.secretPrefix */}}
 {{- define "ddpbus.chartLogins" -}}
@@ -33,7 +63,7 @@ server's config and restart NATS on every upgrade). Computed once per render and
 {{- define "ddpbus.natsUsers" -}}
 {{- if not (hasKey .Values "__ddpbusNatsUsers") -}}
 {{- $users := dict -}}
-{{- range $id := include "ddpbus.identities" $ | fromJsonArray -}}
+{{- range $id := include "ddpbus.serverLogins" $ | fromJsonArray -}}
 {{- $old := lookup "v1" "Secret" $.Release.Namespace (include "ddpbus.identitySecret" (dict "root" $ "identity" $id)) -}}
 {{- $data := dig "data" (dict) $old -}}
 {{- $password := randAlphaNum 40 -}}
@@ -105,6 +135,11 @@ them equal), placeholders filled in here; training.resume adds read access to th
 {{- end -}}
 # one user per identity of job {{ include "ddpbus.job" . }}; passwords are bcrypt hashes
 authorization {{ toRawJson (dict "users" $list) }}
+{{- if include "ddpbus.presence" . }}
+# the system account: its one user, the coordinator's, reads the client advisories
+accounts {{ toRawJson (dict "SYS" (dict "users" (list (dict "user" "system" "password" (index $users "system").bcrypt)))) }}
+system_account: SYS
+{{- end }}
 {{- else }}
 # one user per identity of job {{ include "ddpbus.job" . }}, each login read from its
 # Secret <auth.existing.secretPrefix>-<identity> (the server's environment: ddpbus.loginEnv)
@@ -116,6 +151,13 @@ authorization {
 {{- end }}
   ]
 }
+{{- if include "ddpbus.presence" . }}
+# the system account: its one user, the coordinator's, reads the client advisories
+accounts {
+  SYS: {users: [{user: $LOGIN_SYSTEM_USER, password: $LOGIN_SYSTEM_PASSWORD}]}
+}
+system_account: SYS
+{{- end }}
 {{- end }}
 {{- end -}}
 
@@ -128,7 +170,7 @@ authorization {
 password from its Secret (the config refers to them: ddpbus.natsAuthConfig) */}}
 {{- define "ddpbus.loginEnv" -}}
 {{- if and .Values.auth.enabled (not (include "ddpbus.chartLogins" .)) }}
-{{- range $id := include "ddpbus.identities" . | fromJsonArray }}
+{{- range $id := include "ddpbus.serverLogins" . | fromJsonArray }}
 {{- $var := include "ddpbus.loginVar" $id }}
 {{- range $key := list "user" "password" }}
 - name: {{ $var }}_{{ $key | upper }}
@@ -267,4 +309,51 @@ ddpbus.io/nats-login: {{ (index (include "ddpbus.natsUsers" .root | fromJson) .i
 {{- if and .Values.nats.bundled .Values.auth.existing.secretPrefix (ne .Values.auth.existing.kind "password") -}}
 {{- fail "the bundled server takes existing logins of kind password (keys user and password): auth.existing.kind=password" -}}
 {{- end -}}
+{{- end -}}
+
+{{/* the coordinator's system-account login (coordinator.presence): its environment */}}
+{{- define "ddpbus.systemLoginEnv" -}}
+{{- if include "ddpbus.presence" . }}
+{{- $key := include "ddpbus.credentialKey" . }}
+{{- if eq $key "password" }}
+- name: DDPBUS_NATS_SYSTEM_USER
+{{- if include "ddpbus.chartLogins" . }}
+  value: system
+{{- else }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "ddpbus.systemSecret" . }}
+      key: user
+{{- end }}
+- name: DDPBUS_NATS_SYSTEM_PASSWORD_FILE
+  value: /etc/ddpbus/nats-system/password
+{{- else if eq $key "creds" }}
+- name: DDPBUS_NATS_SYSTEM_CREDS
+  value: /etc/ddpbus/nats-system/creds
+{{- else }}
+- name: DDPBUS_NATS_SYSTEM_NKEY
+  value: /etc/ddpbus/nats-system/seed
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "ddpbus.systemLoginMounts" -}}
+{{- if include "ddpbus.presence" . }}
+- name: nats-system
+  mountPath: /etc/ddpbus/nats-system
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "ddpbus.systemLoginVolumes" -}}
+{{- if include "ddpbus.presence" . }}
+{{- $key := include "ddpbus.credentialKey" . }}
+- name: nats-system
+  projected:
+    defaultMode: 0400
+    sources:
+      - secret:
+          name: {{ include "ddpbus.systemSecret" . }}
+          items: [{key: {{ $key }}, path: {{ $key }}}]
+{{- end }}
 {{- end -}}
