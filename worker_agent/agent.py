@@ -132,6 +132,7 @@ class WorkerAgent:
         self.rejected: Counter[str] = Counter()
         self._admitted: asyncio.Future[m.Accept] | None = None
         self._last_coordinator = time.monotonic()
+        self._closing = False  # set as the agent closes its connection at exit
         self._done: asyncio.Future[Outcome] | None = None
         self._floor = 0  # coordinator generation fence, from Accept
         self.dropped_before_accept = 0
@@ -167,6 +168,7 @@ class WorkerAgent:
         try:
             return await self._run(nc, trainer, device)
         finally:
+            self._closing = True  # the close's disconnect is ours, not an outage
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(nc.close(), 5.0)
             if getattr(self, "_kv_store", None) is not None:
@@ -607,6 +609,8 @@ class WorkerAgent:
                                                connection=bus.connection_id(self.nc)))
 
     async def _bus_lost(self) -> None:
+        if self._closing:
+            return
         if self.link.lost():
             log.warning("rank %d: lost the NATS connection; training on, reconnecting",
                         self.rank)
