@@ -55,7 +55,7 @@ def main() -> None:
     rank.put(wh.window(wh.plan(0, 0, wh.N)))
     started = time.perf_counter()
     thread.start()
-    rank.wait_steps(args.steps)
+    rank.wait_steps(min(args.steps, wh.N // args.batch))  # one plan: the whole dataset
     wall = time.perf_counter() - started
     rank.trainer.halt("profiled", clean=True)
     thread.join()
