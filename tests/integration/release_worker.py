@@ -40,6 +40,18 @@ def until(what: str, cond: object, timeout: float = 30.0) -> None:
         time.sleep(0.001)  # poll interval of a deadline-bound wait
 
 
+def waiting_in_all_reduce(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is inside ``averaging._all_reduce``'s wait for its collectives."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    innermost = frame
+    while frame is not None:
+        if frame.f_code.co_name == "_all_reduce" and frame.f_code.co_filename.endswith(
+                "averaging.py"):
+            return innermost is not frame and innermost.f_code.co_name == "wait"
+        frame = frame.f_back
+    return False
+
+
 def main() -> None:
     rank, where = int(sys.argv[1]), Path(sys.argv[2])
     sent: list[m.Message] = []
@@ -64,11 +76,12 @@ def main() -> None:
                                        new_world_size=2, initial=True))
     until("the session of two", lambda: trainer.sessions == 1)
     if rank == 1:
-        time.sleep(3600)  # hung: the test kills this process
+        threading.Event().wait()  # hung: never enters the all-reduce; the test kills it
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.inbox.put(m.SyncNow())
-    until("rank 0 in the all-reduce", lambda: trainer._collective_wake is not None)
-    time.sleep(0.2)  # well inside it: gloo has sent its share and waits for rank 1's
+    # the DeclareDead must find rank 0 blocked in the collective (its all-reduces issued,
+    # waiting on their future), not before it: read off the training thread's own stack
+    until("rank 0 blocked in the all-reduce", lambda: waiting_in_all_reduce(trainer))
     declared = time.perf_counter()
     trainer.inbox.put(m.DeclareDead(rank=1))  # what the agent does, in this order
     trainer.release_collective(1)

@@ -5,9 +5,11 @@ collective timeout (60 s here), keeps its parameters, and averages in the next s
 Real gloo between two processes; the hung peer formed the session, then never entered the
 all-reduce (what a SIGSTOPped or stuck rank does). Release latency (DeclareDead queued ->
 SyncAck{failed}), 20 runs of this pair on the 2-core machine, 2026-12-07: 10 quiet, 1.2-1.3
-ms; 10 with a CPU hog on one core, 1.2-1.4 ms (release_worker.py 0 and 1 started as
-here, in a loop). The bound is the issue's target, 1 s: ~700x the worst seen, and
-the collective timeout (60 s here) is where a regression would land.
+ms; 10 with a CPU hog on one core, 1.2-1.4 ms; again once the worker waited for its own
+stack to be in the collective's wait (no fixed sleep), 2026-12-08: 1.1-1.2 ms both ways
+(release_worker.py 0 and 1 started as here, in a loop). The bound is the issue's target,
+1 s: ~700x the worst seen, and the collective timeout (60 s here) is where a regression
+would land.
 """
 
 from __future__ import annotations
