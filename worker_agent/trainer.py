@@ -266,9 +266,6 @@ class Trainer(threading.Thread):
         self._collective_wake: threading.Event | None = None
         self.released = 0  # collectives released that way
         self._abandoned = False  # the group has a released collective still in flight
-        # groups left with a collective in flight: never destroyed (that would wait for
-        # it), kept referenced so no destructor joins their stuck threads either
-        self._graveyard = GRAVEYARD
         self.throttled = False
         self.ready_at = time.perf_counter()
         self.outcome: Outcome | None = None
@@ -523,7 +520,7 @@ class Trainer(threading.Thread):
         if dist.is_initialized() and self._abandoned:
             # destroy_process_group would wait for the released collective, which waits on
             # the dead peer until its timeout (measured: 29 s of a 30 s hang)
-            _forget_groups(self._graveyard)
+            _forget_groups(GRAVEYARD)
         elif dist.is_initialized():
             try:
                 dist.destroy_process_group()

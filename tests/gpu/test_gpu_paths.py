@@ -78,18 +78,10 @@ def test_sync_parity_with_torch_ddp_on_cuda(broker: EmbeddedBroker, tmp_path: Pa
 
 def test_a_survivor_leaves_a_collective_with_a_dead_peer_at_once_on_cuda(
         tmp_path: Path) -> None:
-    env = os.environ | {"RELEASE_DEVICE": "cuda", "RELEASE_BACKEND": backend(),
-                        "PYTHONPATH": os.pathsep.join([str(UNIT), str(INTEGRATION)])}
-    procs = [subprocess.Popen([sys.executable, str(INTEGRATION / "release_worker.py"), str(r),
-                               str(tmp_path)], stderr=subprocess.PIPE, env=env)
-             for r in (0, 1)]
-    try:
-        _, err = procs[0].communicate(timeout=180)
-        assert procs[0].returncode == 0, err.decode()[-3000:]
-    finally:
-        procs[1].kill()
-        procs[1].communicate(timeout=30)
-    result: dict[str, Any] = json.loads((tmp_path / "result.json").read_text())
+    from test_release import release_pair
+
+    result = release_pair(tmp_path, os.environ | {"RELEASE_DEVICE": "cuda",
+                                                  "RELEASE_BACKEND": backend()})
     note(f"dead peer: survivor released ({backend()})", f"{result['released_s']:.3f} s")
     assert result["first_failed"] is True
     assert result["parameters_kept"] is True

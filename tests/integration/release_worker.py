@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from worker_harness import run_config, spec
 
 from ddpbus.codecs import messages as m
-from ddpbus.worker_agent.trainer import Trainer, TrainerSettings
+from ddpbus.worker_agent.trainer import GRAVEYARD, Trainer, TrainerSettings
 
 COLLECTIVE_TIMEOUT_S = 60.0
 
@@ -103,7 +103,7 @@ def main() -> None:
     (where / "result.json").write_text(json.dumps({
         "released_s": released_s, "first_failed": first.failed,
         "second_failed": second.failed, "parameters_kept": kept,
-        "released": trainer.released, "graveyard": len(trainer._graveyard)}))
+        "released": trainer.released, "graveyard": len(GRAVEYARD)}))
     # (returning frees the trainer, not the released group: trainer.GRAVEYARD holds it)
     trainer.halt("test over", clean=True)
     trainer.join(timeout=30)

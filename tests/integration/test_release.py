@@ -18,20 +18,27 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
 
-def test_a_survivor_leaves_a_collective_with_a_dead_peer_at_once(tmp_path: Path) -> None:
+def release_pair(where: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run release_worker.py's two ranks (rank 1 hangs; killed once rank 0 is done) and
+    return rank 0's result.json. ``env``: the workers' whole environment (tests/gpu)."""
     procs = [subprocess.Popen([sys.executable, str(HERE / "release_worker.py"), str(r),
-                               str(tmp_path)], stderr=subprocess.PIPE) for r in (0, 1)]
+                               str(where)], stderr=subprocess.PIPE, env=env) for r in (0, 1)]
     try:
-        _, err = procs[0].communicate(timeout=120)
+        _, err = procs[0].communicate(timeout=180)
         assert procs[0].returncode == 0, err.decode()[-3000:]
     finally:
         procs[1].kill()
         procs[1].communicate(timeout=30)
-    result = json.loads((tmp_path / "result.json").read_text())
+    return dict(json.loads((where / "result.json").read_text()))
+
+
+def test_a_survivor_leaves_a_collective_with_a_dead_peer_at_once(tmp_path: Path) -> None:
+    result = release_pair(tmp_path)
     assert result["first_failed"] is True  # SyncAck{failed}: it carries its steps
     assert result["parameters_kept"] is True
     assert result["released"] == 1
