@@ -217,11 +217,23 @@ def _sync_ack_to_wire(x: m.SyncAck) -> pb.TimingMsg:
             post_norm=x.post_norm,
             pre_norm=x.pre_norm,
             failed=x.failed,
+            received_at=x.received_at,
+            average_ms=x.average_ms,
+            collective_ms=x.collective_ms,
         )
     )
 
 
+_ACK_TIMES = ("received_at", "average_ms", "collective_ms")
+
+
 def _sync_ack_from_wire(w: Any) -> m.SyncAck:
+    times = [_opt(w, name) for name in _ACK_TIMES]
+    for name, value in zip(_ACK_TIMES, times, strict=True):
+        if value is not None and not 0.0 <= value < float("inf"):
+            raise InvalidField(f"SyncAck.{name}={value}: must be finite and >= 0",
+                               msg_type="SyncAck")
+    received_at, average_ms, collective_ms = times
     return m.SyncAck(
         rank=w.rank,
         step_count=w.step_count,
@@ -229,6 +241,9 @@ def _sync_ack_from_wire(w: Any) -> m.SyncAck:
         post_norm=_opt(w, "post_norm"),
         pre_norm=_opt(w, "pre_norm"),
         failed=w.failed,
+        received_at=received_at,
+        average_ms=average_ms,
+        collective_ms=collective_ms,
     )
 
 

@@ -219,6 +219,11 @@ class SyncAck:
     post_norm: float | None = None
     pre_norm: float | None = None
     failed: bool = False  # the collective failed: parameters stayed this rank's own
+    # telemetry: the rank's wall clock when its agent took SyncNow in (Unix s), and its
+    # milliseconds in the whole average and in the collective call alone
+    received_at: float | None = None
+    average_ms: float | None = None
+    collective_ms: float | None = None
 
 
 @_fast_init

@@ -541,6 +541,7 @@ class WorkerAgent:
                         self.rank, exc, exc.reason)
 
     async def _on_control(self, msg: Msg) -> None:
+        arrived = time.time()  # (a SyncNow's SyncAck reports it: its delivery)
         try:
             env = self.decoder.decode(msg.subject, msg.headers, msg.data)
         except DecodeError as exc:
@@ -567,7 +568,7 @@ class WorkerAgent:
         elif isinstance(body, m.Update):
             self.trainer.inbox.put(await self._fetch_consensus(body))
         elif isinstance(body, m.ControlMsg):
-            self.trainer.inbox.put(body)
+            self.trainer.deliver(body, arrived)
             if isinstance(body, m.DeclareDead) and body.rank != self.rank:
                 # after the put: the training thread may be blocked in a collective with the
                 # dead rank (gloo on a stopped peer, NCCL on any): release it now

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,9 @@ class AverageResult:
     pre_norm: float | None
     post_norm: float | None
     movers: int
+    # milliseconds from entering the collective to holding its result on the host (on
+    # CUDA the read of the total mass waits for the kernel): the collective alone
+    collective_ms: float = 0.0
 
 
 class FlatModel:
@@ -186,11 +190,13 @@ def average(flat: FlatModel, steps: int, *, gamma: float, measure: bool,
             torch.cat([b.reshape(-1).to(head.dtype) for b in buffers], out=packed)
             packed.mul_(mover)
         head[-2], head[-1] = mass, mover
+        began = time.perf_counter()
         _all_reduce(wire.buffers, group, wake)
         total_mass, movers = float(head[-2]), float(head[-1])
+        collective_ms = (time.perf_counter() - began) * 1000.0
         if total_mass <= 0.0:
             return AverageResult(realized=False, divergence=0.0, pre_norm=None,
-                                 post_norm=None, movers=0)
+                                 post_norm=None, movers=0, collective_ms=collective_ms)
         pre_sq = post_sq = diff_sq = 0.0
         for f, w in zip(flat.flats, wire.buffers, strict=True):
             post = w[:f.numel()].div_(total_mass)
@@ -207,11 +213,12 @@ def average(flat: FlatModel, steps: int, *, gamma: float, measure: bool,
                 offset += n
     if not measure:
         return AverageResult(realized=True, divergence=0.0, pre_norm=None, post_norm=None,
-                             movers=round(movers))
+                             movers=round(movers), collective_ms=collective_ms)
     post_norm = math.sqrt(post_sq)
     return AverageResult(realized=True,
                          divergence=math.sqrt(diff_sq) / post_norm if post_norm > 1e-10 else 0.0,
-                         pre_norm=math.sqrt(pre_sq), post_norm=post_norm, movers=round(movers))
+                         pre_norm=math.sqrt(pre_sq), post_norm=post_norm, movers=round(movers),
+                         collective_ms=collective_ms)
 
 
 def broadcast_from_root(flat: FlatModel, group: dist.ProcessGroup | None = None) -> None:

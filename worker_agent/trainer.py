@@ -235,6 +235,9 @@ class Trainer(threading.Thread):
         self._reports = ReportBuffer(settings.rank)  # per-batch reports not yet sent
         self.rank = settings.rank
         self.inbox: queue.SimpleQueue[m.ControlMsg | Halt | Consensus] = queue.SimpleQueue()
+        # when each SyncNow queued here reached the agent (wall clock), in queue order:
+        # its SyncAck carries the time back (deliver)
+        self._sync_arrivals: deque[float] = deque()
         self.device = settings.device
         self.resources = ResourceProbe(self.device)
         self._setup_data(spec)
@@ -588,7 +591,15 @@ class Trainer(threading.Thread):
         if self.settings.refusal_sink is not None:
             self.settings.refusal_sink(reason)
 
+    def deliver(self, msg: m.ControlMsg, arrived: float) -> None:
+        """Queue one control message for this thread (the agent's loop); ``arrived``: the
+        wall clock when the agent took it in, which a SyncNow's SyncAck reports."""
+        if isinstance(msg, m.SyncNow):
+            self._sync_arrivals.append(arrived)
+        self.inbox.put(msg)
+
     def _on_sync(self, _msg: m.SyncNow) -> None:
+        received_at = self._sync_arrivals.popleft() if self._sync_arrivals else None
         run = self.active_run()
         if run.backend is m.Backend.BROKER:
             log.error("rank %d: SyncNow refused: backend broker averages through snapshots, "
@@ -607,11 +618,14 @@ class Trainer(threading.Thread):
             self.outbox(m.SyncAck(rank=self.rank, step_count=self.step, divergence=0.0,
                                   failed=True))
         else:
-            self.account.averaging_s += time.perf_counter() - began
+            took = time.perf_counter() - began
+            self.account.averaging_s += took
             self._carry, self.unaveraged = 0, False
             self.outbox(m.SyncAck(rank=self.rank, step_count=self.step,
                                   divergence=result.divergence, post_norm=result.post_norm,
-                                  pre_norm=result.pre_norm))
+                                  pre_norm=result.pre_norm, received_at=received_at,
+                                  average_ms=took * 1000.0,
+                                  collective_ms=result.collective_ms))
         self.window = _Window()  # closed until the SetGlobalStep that follows
         self.throttled = False
         self.ready_at = time.perf_counter()

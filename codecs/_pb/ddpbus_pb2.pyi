@@ -258,6 +258,9 @@ class TimingMsg(_message.Message):
         POST_NORM_FIELD_NUMBER: _builtins.int
         PRE_NORM_FIELD_NUMBER: _builtins.int
         FAILED_FIELD_NUMBER: _builtins.int
+        RECEIVED_AT_FIELD_NUMBER: _builtins.int
+        AVERAGE_MS_FIELD_NUMBER: _builtins.int
+        COLLECTIVE_MS_FIELD_NUMBER: _builtins.int
         rank: _builtins.int
         step_count: _builtins.int
         divergence: _builtins.float
@@ -268,6 +271,19 @@ class TimingMsg(_message.Message):
         """The collective failed (a peer died mid-round): parameters are this rank's own,
         unaveraged; the window's work is not sealed into the consensus.
         """
+        received_at: _builtins.float
+        """Where the round's time went, as this rank saw it (telemetry: the coordinator's
+        "averaged" record and metrics; absent from older ranks). Each finite and >= 0.
+        The rank's wall clock (Unix seconds) when its agent took the SyncNow in: beside
+        the coordinator's decision time it gives the command's delivery, exact on one host
+        and as good as the clocks' agreement across hosts.
+        """
+        average_ms: _builtins.float
+        """Milliseconds in the whole in-place average (weighting, the collective, the division
+        and copy back), and in the collective call alone. Both include any wait for a peer
+        that entered the collective later.
+        """
+        collective_ms: _builtins.float
         def __init__(
             self,
             *,
@@ -277,19 +293,34 @@ class TimingMsg(_message.Message):
             post_norm: _builtins.float | None = ...,
             pre_norm: _builtins.float | None = ...,
             failed: _builtins.bool = ...,
+            received_at: _builtins.float | None = ...,
+            average_ms: _builtins.float | None = ...,
+            collective_ms: _builtins.float | None = ...,
         ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _typing.Literal["_post_norm", b"_post_norm", "_pre_norm", b"_pre_norm", "post_norm", b"post_norm", "pre_norm", b"pre_norm"]  # noqa: Y015
+        _HasFieldArgType: _TypeAlias = _typing.Literal["_average_ms", b"_average_ms", "_collective_ms", b"_collective_ms", "_post_norm", b"_post_norm", "_pre_norm", b"_pre_norm", "_received_at", b"_received_at", "average_ms", b"average_ms", "collective_ms", b"collective_ms", "post_norm", b"post_norm", "pre_norm", b"pre_norm", "received_at", b"received_at"]  # noqa: Y015
         def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["_post_norm", b"_post_norm", "_pre_norm", b"_pre_norm", "divergence", b"divergence", "failed", b"failed", "post_norm", b"post_norm", "pre_norm", b"pre_norm", "rank", b"rank", "step_count", b"step_count"]  # noqa: Y015
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["_average_ms", b"_average_ms", "_collective_ms", b"_collective_ms", "_post_norm", b"_post_norm", "_pre_norm", b"_pre_norm", "_received_at", b"_received_at", "average_ms", b"average_ms", "collective_ms", b"collective_ms", "divergence", b"divergence", "failed", b"failed", "post_norm", b"post_norm", "pre_norm", b"pre_norm", "rank", b"rank", "received_at", b"received_at", "step_count", b"step_count"]  # noqa: Y015
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        _WhichOneofReturnType__average_ms: _TypeAlias = _typing.Literal["average_ms"]  # noqa: Y015
+        _WhichOneofArgType__average_ms: _TypeAlias = _typing.Literal["_average_ms", b"_average_ms"]  # noqa: Y015
+        _WhichOneofReturnType__collective_ms: _TypeAlias = _typing.Literal["collective_ms"]  # noqa: Y015
+        _WhichOneofArgType__collective_ms: _TypeAlias = _typing.Literal["_collective_ms", b"_collective_ms"]  # noqa: Y015
         _WhichOneofReturnType__post_norm: _TypeAlias = _typing.Literal["post_norm"]  # noqa: Y015
         _WhichOneofArgType__post_norm: _TypeAlias = _typing.Literal["_post_norm", b"_post_norm"]  # noqa: Y015
         _WhichOneofReturnType__pre_norm: _TypeAlias = _typing.Literal["pre_norm"]  # noqa: Y015
         _WhichOneofArgType__pre_norm: _TypeAlias = _typing.Literal["_pre_norm", b"_pre_norm"]  # noqa: Y015
+        _WhichOneofReturnType__received_at: _TypeAlias = _typing.Literal["received_at"]  # noqa: Y015
+        _WhichOneofArgType__received_at: _TypeAlias = _typing.Literal["_received_at", b"_received_at"]  # noqa: Y015
+        @_typing.overload
+        def WhichOneof(self, oneof_group: _WhichOneofArgType__average_ms) -> _WhichOneofReturnType__average_ms | None: ...
+        @_typing.overload
+        def WhichOneof(self, oneof_group: _WhichOneofArgType__collective_ms) -> _WhichOneofReturnType__collective_ms | None: ...
         @_typing.overload
         def WhichOneof(self, oneof_group: _WhichOneofArgType__post_norm) -> _WhichOneofReturnType__post_norm | None: ...
         @_typing.overload
         def WhichOneof(self, oneof_group: _WhichOneofArgType__pre_norm) -> _WhichOneofReturnType__pre_norm | None: ...
+        @_typing.overload
+        def WhichOneof(self, oneof_group: _WhichOneofArgType__received_at) -> _WhichOneofReturnType__received_at | None: ...
 
     @_typing.final
     class Exiting(_message.Message):

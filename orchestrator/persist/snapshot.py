@@ -368,9 +368,19 @@ def seal(magic: bytes, text: bytes, key: bytes, *, level: int = 3) -> bytes:
     return magic + hmac.new(key, body, hashlib.sha256).digest() + body
 
 
+# below this many bytes of JSON, sealing on the loop costs less than the hand-off to a
+# thread and back: a window's journal segment (~2 KB) seals in ~60 us, and sealing it
+# inline cut the SyncNow's write-ahead time by ~0.2 ms (median 0.92 against 1.13 ms, 4
+# interleaved runs each of bench/specs/tiny.py); a full snapshot is far larger
+INLINE_SEAL_BYTES: Final = 32 * 1024
+
+
 async def seal_in_thread(magic: bytes, text: bytes, key: bytes, *, level: int = 3) -> bytes:
     """:func:`seal` beside the event loop: the coordinator's writes do the JSON while the
-    state is the deciding one, and this part (zlib and the HMAC) in parallel with it."""
+    state is the deciding one, and this part (zlib and the HMAC) in parallel with it; a
+    small document is sealed at once instead (:data:`INLINE_SEAL_BYTES`)."""
+    if len(text) < INLINE_SEAL_BYTES:
+        return seal(magic, text, key, level=level)
     return await asyncio.to_thread(seal, magic, text, key, level=level)
 
 

@@ -125,6 +125,34 @@ SYNC_NOW: Final = convert.BY_CLASS[m.SyncNow].type_name  # its Ddpbus-Type heade
 ROUND_OVER: Final = frozenset({"averaged", "update"})
 
 
+def round_split(decided_at: float | None, published_at: float, acks: list[m.SyncAck]
+                ) -> dict[str, float]:
+    """Where an average's time went, for its "averaged" record (milliseconds):
+    ``write_ahead_ms``, the SyncNow's decision to its hand-off to the publisher (the
+    write-ahead record stored first); ``deliver_ms``, the decision to the SyncNow held by
+    its last rank (the ranks' clocks against this one's: exact on one host);
+    ``average_ms`` and ``collective_ms``, the in-place average and its collective call as
+    the rank that waited least in them saw them (the others' times include waiting for a
+    peer to enter). A figure is left out when a rank did not report it (an older rank, or
+    a failed collective)."""
+    out: dict[str, float] = {}
+    if decided_at is None:
+        return out
+    out["write_ahead_ms"] = round((published_at - decided_at) * 1000.0, 3)
+    done = [a for a in acks if not a.failed]
+    if not done or len(done) < len(acks):
+        return out
+    arrivals = [a.received_at for a in done]
+    if all(t is not None for t in arrivals):
+        out["deliver_ms"] = round((max(t for t in arrivals if t is not None) - decided_at)
+                                  * 1000.0, 3)
+    for key in ("average_ms", "collective_ms"):
+        values = [getattr(a, key) for a in done]
+        if all(v is not None for v in values):
+            out[key] = round(min(v for v in values if v is not None), 3)
+    return out
+
+
 class Coordinator:
     def __init__(self, settings: CoordinatorSettings, config: CoreConfig) -> None:
         self.settings = settings
@@ -160,6 +188,10 @@ class Coordinator:
         # "averaged" record adds the time from there to the last SyncAck (the core's own
         # reduce_ms starts at the decision, before the write-ahead snapshot)
         self._sync_published_at: float | None = None
+        # the latest SyncNow's decision (wall clock) and the SyncAcks read since: the
+        # "averaged" record splits the round with them (round_split)
+        self._sync_decided_at: float | None = None
+        self._round_acks: list[m.SyncAck] = []
         self.replay_s: float | None = None  # lease taken to caught up with the stream
         # full passes of the cycle collector, at quiet moments (see core/gc_policy.py)
         self.collector = Collector()
@@ -631,6 +663,8 @@ class Coordinator:
         outbound: list[Outbound] = []
         for c in commands:
             if isinstance(c, Send):
+                if isinstance(c.msg, m.SyncNow):
+                    self._sync_decided_at, self._round_acks = time.time(), []
                 subject = (sj.CONTROL_ALL.subject(job) if c.rank is None
                            else sj.CONTROL_RANK.subject(job, c.rank))
                 outbound.append(self.encoder.encode(subject, c.msg))
@@ -660,7 +694,9 @@ class Coordinator:
             self._commit_wanted.set()
         if c.event == "averaged" and self._sync_published_at is not None:
             c = Record(c.event, {**c.fields, "publish_to_acks_ms": round(
-                (time.time() - self._sync_published_at) * 1000.0, 3)})
+                (time.time() - self._sync_published_at) * 1000.0, 3),
+                **round_split(self._sync_decided_at, self._sync_published_at,
+                              self._round_acks)})
         if self.metrics is not None:
             self.metrics.on_record(c)
         line = json.dumps({"t": round(self.clock(), 6), "event": c.event, **c.fields},
@@ -682,6 +718,8 @@ class Coordinator:
                 self.metrics.on_batch(latest[-1])
         if self.metrics is not None and isinstance(body, m.MetricsMsg):
             self.metrics.on_resources(body)
+        if isinstance(body, m.SyncAck):
+            self._round_acks.append(body)  # (its times: the "averaged" record's split)
         if body is not None:
             if not await self.apply(event_of(body, msg_id), seq, stored_at,
                                     journal.Wire(msg.subject, msg.headers or {}, msg.data,

@@ -82,6 +82,14 @@ class CoordinatorMetrics:
             "ddpbus_average_duration_seconds", "SyncNow to the last SyncAck", (JOB,),
             registry=r, buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
                                  10, 30))
+        fine = (0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+        self.delivery_seconds = Histogram(
+            "ddpbus_sync_delivery_seconds", "SyncNow decided to held by its last rank (the "
+            "ranks' clocks against the coordinator's: exact on one host)", (JOB,),
+            registry=r, buckets=fine)
+        self.collective_seconds = Histogram(
+            "ddpbus_collective_seconds", "The collective call of an average, as the rank "
+            "that waited least in it saw it", (JOB,), registry=r, buckets=fine)
         self.deaths = Counter("ddpbus_dead_ranks", "ranks declared dead", (JOB,),
                               registry=r)
         # one series per death: which rank, where, which incarnation, and why (silent:
@@ -146,6 +154,11 @@ class CoordinatorMetrics:
             else:
                 self.average_seconds.labels(self.job).observe(
                     float(record.fields.get("reduce_ms") or 0.0) / 1000)
+                for key, histogram in (("deliver_ms", self.delivery_seconds),
+                                       ("collective_ms", self.collective_seconds)):
+                    value = record.fields.get(key)
+                    if value is not None:
+                        histogram.labels(self.job).observe(float(value) / 1000)
         elif record.event == "rank-dead":
             self.deaths.labels(self.job).inc()
             f = record.fields

@@ -261,6 +261,9 @@ SPECIAL |= {
         m.RunConfig, coordinator_timeout_s=st.floats(0.1, 600.0),
         collective_timeout_s=st.floats(0.0, 600.0), easgd_alpha=st.floats(0.01, 1.0),
         report_interval_ms=st.floats(0.0, 10_000.0))),
+    # a SyncAck's times are finite and >= 0, or absent
+    m.SyncAck: builds(m.SyncAck, **dict.fromkeys(
+        ("received_at", "average_ms", "collective_ms"), st.none() | st.floats(0.0, 1e12))),
     # a heartbeat's refusal counts are keyed by the codec's own reasons
     # and its connection is the broker's "<server id>/<client id>" or empty
     m.Heartbeat: st.deferred(lambda: builds(

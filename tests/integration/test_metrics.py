@@ -134,6 +134,8 @@ def test_metrics_during_a_run(broker: EmbeddedBroker, tmp_path: Path) -> None:
         assert got["ddpbus_global_step"][(job_label,)] > 0
         assert got["ddpbus_alive_ranks"][(job_label,)] == 2
         assert got["ddpbus_average_duration_seconds_count"][(job_label,)] >= 1
+        assert got["ddpbus_sync_delivery_seconds_count"][(job_label,)] >= 1
+        assert got["ddpbus_collective_seconds_count"][(job_label,)] >= 1
         assert (job_label,) in got["ddpbus_jetstream_pending_messages"]
         # compaction, every half second: the stream's size after a pass, what went by class
         assert got["ddpbus_stream_messages"][(job_label,)] >= 0

@@ -70,6 +70,16 @@ def test_demo_trains_digits_to_95_percent_and_writes_the_summary(tmp_path: Path)
     assert (run_dir / "report" / "index.html").exists()  # the run report, every run
     assert (tmp_path / summary["report"]).resolve() == (run_dir / "report" / "index.html").resolve()
     assert "run report" in out.stdout
+    # every average is split (bench/control_latency.py reads these): decision -> SyncNow
+    # held by the last rank includes its write-ahead record; the collective call is part
+    # of the average
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    averaged = [e for e in events if e["event"] == "averaged" and not e.get("failed")]
+    assert averaged
+    for e in averaged:
+        assert 0 < e["write_ahead_ms"] <= e["deliver_ms"] <= e["publish_to_acks_ms"] + \
+            e["write_ahead_ms"], e
+        assert 0 < e["collective_ms"] <= e["average_ms"], e
     assert not (run_dir / ".job.key").exists()  # the job key does not outlive the run
     assert not (run_dir / ".credentials").exists()  # nor do the NATS logins
     # every process logged in as its own identity and the server refused nothing it did

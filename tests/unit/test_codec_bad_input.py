@@ -362,6 +362,12 @@ def _invalid_field() -> list[Case]:
                     policy=pb.POLICY_SYNC, backend=pb.BACKEND_GLOO, batch_size=1,
                     coordinator_timeout_s=1.0, collective_timeout_s=float("nan")))),
                 match="collective_timeout_s"),
+        _signed("sync-ack-negative-average-ms", InvalidField, T3, "TimingMsg.SyncAck",
+                _c("TimingMsg", sync_ack=pb.TimingMsg.SyncAck(rank=3, average_ms=-1.0)),
+                match="average_ms"),
+        _signed("sync-ack-nan-received-at", InvalidField, T3, "TimingMsg.SyncAck",
+                _c("TimingMsg", sync_ack=pb.TimingMsg.SyncAck(
+                    rank=3, received_at=float("nan"))), match="received_at"),
         _signed("rejoin-hello-other-rank", InvalidField, f"ddpbus.{JOB}.join.rank.2",
                 "JoinMsg.Rejoin", _c("JoinMsg", rejoin=j.Rejoin(hello=hello))),
         _signed("reserved-target-rank", InvalidField, C3, "ControlMsg.Checkpoint",

@@ -180,6 +180,10 @@ STRATEGIES[m.SnapshotReady] = st.one_of(
     builds(m.SnapshotReady, mass=st.just(0.0), digest=st.just("")),
     builds(m.SnapshotReady, mass=st.floats(min_value=1e-12, max_value=1e12),
            digest=st.text(min_size=1, max_size=60)))
+# a SyncAck's times are finite and >= 0, or absent
+_ACK_TIME = st.none() | st.floats(min_value=0.0, max_value=1e12)
+STRATEGIES[m.SyncAck] = builds(m.SyncAck, received_at=_ACK_TIME, average_ms=_ACK_TIME,
+                               collective_ms=_ACK_TIME)
 STRATEGIES[m.Update] = st.one_of(builds(m.Update, realized=st.just(True),
                                         digest=st.text(min_size=1, max_size=60)),
                                  builds(m.Update, realized=st.just(False),

@@ -66,7 +66,7 @@ class Rank:
 
     def put(self, *msgs: m.ControlMsg) -> None:
         for msg in msgs:
-            self.trainer.inbox.put(msg)
+            self.trainer.deliver(msg, time.time())  # as the agent does
 
     def wait_for(self, done: Callable[[], bool], timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
