@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,31 @@ _RANK_CPU = re.compile(r"rank \d+: cpu ([\d.]+) s over [\d.]+ s: training thread
                        r"([\d.]+) s")
 _COORDINATOR_CPU = re.compile(r"coordinator: cpu ([\d.]+) s over")
 _BROKER_CPU = re.compile(r"nats-server: cpu ([\d.]+) s")
+
+
+def _idle_jiffies() -> tuple[int, int]:
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return fields[3] + fields[4], sum(fields)  # (idle + iowait, all)
+
+
+def quiet(share: float = 0.95, span: float = 0.5, within: float = 10.0) -> bool:
+    """Until the machine has been idle ``share`` of a ``span`` (up to ``within`` seconds;
+    False if it never was): what a run leaves behind (its processes' exit, the kernel
+    writing back its stream files) otherwise lands in the next timed run. Measured here:
+    two hand-written baseline runs back to back right after a ddpbus run differed by up to
+    35 % without this wait, and 4 of 5 rounds stayed within 7 % with it."""
+    if not Path("/proc/stat").exists():
+        return False  # (not Linux: no gate)
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        idle0, all0 = _idle_jiffies()
+        time.sleep(span)  # the window the idle share is measured over
+        idle1, all1 = _idle_jiffies()
+        if all1 > all0 and (idle1 - idle0) / (all1 - all0) >= share:
+            return True
+    sys.stderr.write(f"bench: the machine was never {share:.0%} idle in {within:.0f} s; "
+                     "timing anyway (expect noise)\n")
+    return False
 
 
 def children_cpu_s() -> float:
@@ -62,6 +88,7 @@ def ddpbus_run(spec: str, *args: str, workers: int = 2, env: dict[str, str] | No
                "run", f"{target}.py:spec", "--workers", str(workers), "--out", str(out),
                "--no-progress", *args]
         environ = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
+        quiet()
         cpu0 = children_cpu_s()
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp,  # noqa: S603
                               env=environ | (env or {}), check=False)
