@@ -5,6 +5,10 @@ exchanges addresses (and NCCL's unique id) through KV keys instead of a TCPStore
 communicator session uses its own key prefix (``PrefixStore``), so a rebuilt group after a
 shrink never reads the keys of the old one.
 
+:class:`Interruptible` wraps any store for one session's forming: a member declared dead
+while the group forms (its address never comes) ends every wait for its keys at once,
+instead of at the store's timeout.
+
 torch calls the store synchronously from its own threads; the store therefore runs its own
 NATS connection on a private event-loop thread and never touches the agent's loop, which
 keeps handling control messages while a collective blocks.
@@ -16,6 +20,7 @@ import asyncio
 import base64
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -45,6 +50,11 @@ _TRANSIENT = TRANSIENT_ERRORS  # a broker restart: set/get/check/wait are retrie
 
 class StoreTimeout(DdpbusError, TimeoutError):
     """A rendezvous key did not appear within the store's timeout."""
+
+
+class StoreInterrupted(DdpbusError):
+    """A wait ended by :meth:`Interruptible.interrupt`: a member of the forming session was
+    declared dead."""
 
 
 class _Absent(Exception):
@@ -206,3 +216,68 @@ class NatsKVStore(Store):
         self._thread.join(5)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+class Interruptible(Store):
+    """``inner`` (any ``torch.distributed.Store``), whose waits for keys end at once, with
+    :class:`StoreInterrupted`, once :meth:`interrupt` is called from another thread.
+
+    ``init_process_group`` waits in the store for every member's address; one that died
+    before writing it would hold the others there for the store's whole timeout (300 s on
+    the agent's store). A wait polls ``inner.check`` (every 1 ms, backing off to 50 ms),
+    so it works over any store, and ends when the keys are there, at ``timeout``
+    (:class:`StoreTimeout`), or at the interrupt. Keys already present are never refused:
+    an interrupt cannot fail a wait that has what it waits for."""
+
+    FIRST_POLL_S, LAST_POLL_S = 0.001, 0.05
+
+    def __init__(self, inner: Store, timeout: timedelta) -> None:
+        super().__init__()
+        self._inner = inner
+        self._timeout = timeout
+        self._stop = threading.Event()
+        self.reason = ""
+
+    def interrupt(self, reason: str) -> None:
+        """End every wait (now and to come) whose keys are not all there."""
+        self.reason = reason
+        self._stop.set()
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        limit = (timeout or self._timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        pause = self.FIRST_POLL_S
+        while not self._inner.check(keys):
+            if self._stop.is_set():
+                raise StoreInterrupted(f"rendezvous abandoned ({self.reason}) while "
+                                       f"waiting for {keys!r}")
+            if time.monotonic() > deadline:
+                raise StoreTimeout(f"rendezvous keys {keys!r} did not appear within "
+                                   f"{limit:.1f}s")
+            self._stop.wait(pause)  # poll interval of a deadline-bound wait (or the interrupt)
+            pause = min(pause * 2, self.LAST_POLL_S)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return bytes(self._inner.get(key))
+
+    # (torch's stubs say str; its bindings take the bytes torch itself passes here)
+    def set(self, key: str, value: bytes | str) -> None:
+        self._inner.set(key, value)  # type: ignore[arg-type]
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._inner.add(key, amount))
+
+    def compare_set(self, key: str, expected_value: bytes | str,
+                    desired_value: bytes | str) -> bytes:
+        return bytes(self._inner.compare_set(key, expected_value,  # type: ignore[arg-type]
+                                             desired_value))  # type: ignore[arg-type]
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._inner.check(keys))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._inner.delete_key(key))
+
+    def num_keys(self) -> int:
+        return int(self._inner.num_keys())

@@ -41,6 +41,7 @@ from ddpbus.orchestrator.core.coalesce import ReportBuffer
 from ddpbus.worker_agent import averaging, callbacks, checkpoint
 from ddpbus.worker_agent.callbacks import Outcome
 from ddpbus.worker_agent.data import BatchFetcher, Prefetcher, Stager, plan_indices
+from ddpbus.worker_agent.rendezvous import Interruptible
 from ddpbus.worker_agent.resources import ResourceProbe
 from ddpbus.worker_agent.spec import (
     AMP_DTYPES,
@@ -68,6 +69,10 @@ stream's store ack (per-batch reports only)."""
 # holds any must leave with os._exit (commands/worker.py), not through the interpreter's
 # finalization, which would free them
 GRAVEYARD: list[object] = []
+
+# how long a forming session waits in the store for a member's address (the agent's NATS
+# store's own timeout): a member declared dead meanwhile ends the wait at once instead
+STORE_TIMEOUT: Final = timedelta(seconds=300)
 
 
 def _forget_groups(graveyard: list[object]) -> None:
@@ -267,7 +272,11 @@ class Trainer(threading.Thread):
         self._deaths_handled = 0
         self._released_by = ""
         self._collective_wake: threading.Event | None = None
+        # the store of a session being formed: a DeclareDead meanwhile interrupts its waits
+        # (a member that died before it wrote its address would hold them to the timeout)
+        self._forming: Interruptible | None = None
         self.released = 0  # collectives released that way
+        self.abandoned_sessions = 0  # sessions whose forming a DeclareDead ended
         self._abandoned = False  # the group has a released collective still in flight
         self.throttled = False
         self.ready_at = time.perf_counter()
@@ -502,17 +511,30 @@ class Trainer(threading.Thread):
         if backend == "nccl":
             kwargs["device_id"] = self.device
             nccl_error_handling()
+        store = Interruptible(self.settings.store_factory(), STORE_TIMEOUT)
+        with self._release_lock:
+            self._forming = store
+            if self._deaths_queued > self._deaths_handled:  # one came after this session
+                store.interrupt(f"{self._released_by} was declared dead")
         try:
-            dist.init_process_group(backend, store=PrefixStore(
-                prefix, self.settings.store_factory()), rank=msg.new_rank,
-                world_size=msg.new_world_size, timeout=timeout, **kwargs)
+            dist.init_process_group(backend, store=PrefixStore(prefix, store),
+                                    rank=msg.new_rank, world_size=msg.new_world_size,
+                                    timeout=timeout, **kwargs)
             if msg.initial:
                 averaging.broadcast_from_root(self.flat)  # every replica starts from rank 0's
-        except Exception:  # a member died while the group formed: wait for the next session
-            log.exception("rank %d: forming session (rank %d of %d) failed", self.rank,
-                          msg.new_rank, msg.new_world_size)
+        except Exception as exc:  # a member died while the group formed: the next session
+            if store.reason:
+                self.abandoned_sessions += 1
+                log.warning("rank %d: forming session (rank %d of %d) abandoned: %s",
+                            self.rank, msg.new_rank, msg.new_world_size, store.reason)
+            else:
+                log.exception("rank %d: forming session (rank %d of %d) failed: %s",
+                              self.rank, msg.new_rank, msg.new_world_size, exc)
             self._leave_group()
             return
+        finally:
+            with self._release_lock:
+                self._forming = None
         self.sessions += 1
         self.group_ready = True
         self.ready_at = time.perf_counter()
@@ -660,6 +682,8 @@ class Trainer(threading.Thread):
             self._deaths_queued += 1
             self._released_by = f"rank {dead_rank}"
             wake = self._collective_wake
+            if self._forming is not None:  # the session being formed cannot form now
+                self._forming.interrupt(f"rank {dead_rank} was declared dead")
         if wake is not None:
             wake.set()
         if wake is not None and dist.is_initialized() and dist.get_backend() == "nccl":

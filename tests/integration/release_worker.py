@@ -7,7 +7,12 @@ is told what its agent does on a DeclareDead of rank 1 (the message into the inb
 ``release_collective``). It must answer SyncAck{failed} at once, not at the collective
 timeout (60 s here), keep its parameters, and average again in a new session of one.
 
-Usage: python release_worker.py RANK DIR   (rank 0 writes DIR/result.json)
+``forming`` instead of a rank: one rank alone, told to form a session of two whose other
+member died before it wrote its address. Its agent hears the DeclareDead while it waits in
+the store; the forming must end at once (not at the store's 300 s timeout), and a session
+of one must then average.
+
+Usage: python release_worker.py RANK|forming DIR   (rank 0 writes DIR/result.json)
 """
 
 from __future__ import annotations
@@ -52,7 +57,62 @@ def waiting_in_all_reduce(thread: threading.Thread) -> bool:
     return False
 
 
+def waiting_in_rendezvous(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is inside a forming session's wait for a member's address."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_name == "wait" and frame.f_code.co_filename.endswith(
+                "rendezvous.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def forming(where: Path) -> None:
+    sent: list[m.Message] = []
+    lock = threading.Lock()
+
+    def outbox(msg: m.Message, _durable: bool) -> None:
+        with lock:
+            sent.append(msg)
+
+    trainer = Trainer(spec(), TrainerSettings(
+        rank=0, device=torch.device("cpu"),
+        store_factory=lambda: dist.FileStore(str(where / "store"), -1)), outbox)
+    trainer.configure(replace(run_config(), backend=m.Backend.GLOO,
+                              collective_timeout_s=COLLECTIVE_TIMEOUT_S), world_size=2)
+    trainer.start()
+    trainer.inbox.put(m.NewNcclSession(uid_bytes=b"\x03" * m.NCCL_ID_BYTES, new_rank=0,
+                                       new_world_size=2, initial=True))
+    until("rank 0 waiting for its peer's address", lambda: waiting_in_rendezvous(trainer))
+    declared = time.perf_counter()
+    trainer.inbox.put(m.DeclareDead(rank=1))  # what the agent does, in this order
+    trainer.release_collective(1)
+    until("the forming abandoned", lambda: trainer.abandoned_sessions == 1,
+          timeout=COLLECTIVE_TIMEOUT_S)
+    released_s = time.perf_counter() - declared
+    sessions = trainer.sessions
+    trainer.inbox.put(m.NewNcclSession(uid_bytes=b"\x04" * m.NCCL_ID_BYTES, new_rank=0,
+                                       new_world_size=1))
+    until("the session of one", lambda: trainer.sessions == 1)
+    trainer.inbox.put(m.SyncNow())
+
+    def acks() -> list[m.SyncAck]:
+        with lock:
+            return [x for x in sent if isinstance(x, m.SyncAck)]
+
+    until("the SyncAck", acks)
+    (where / "result.json").write_text(json.dumps({
+        "released_s": released_s, "sessions_after_abandon": sessions,
+        "ack_failed": acks()[0].failed}))
+    trainer.halt("test over", clean=True)
+    trainer.join(timeout=30)
+
+
 def main() -> None:
+    if sys.argv[1] == "forming":
+        forming(Path(sys.argv[2]))
+        return
     rank, where = int(sys.argv[1]), Path(sys.argv[2])
     sent: list[m.Message] = []
     lock = threading.Lock()
