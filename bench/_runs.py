@@ -78,9 +78,11 @@ class Run:
         return float(self.of("training-started")[0]["t"])
 
 
-def ddpbus_run(spec: str, *args: str, workers: int = 2, env: dict[str, str] | None = None
-               ) -> Run:
-    """One `ddpbus run` in a fresh directory; raises with the logs when it fails."""
+def ddpbus_run(spec: str, *args: str, workers: int = 2, env: dict[str, str] | None = None,
+               settle: bool = True) -> Run:
+    """One `ddpbus run` in a fresh directory; raises with the logs when it fails.
+    ``settle``: first wait for an idle machine (:func:`quiet`; False where the caller
+    did, and keeps it busy on purpose)."""
     with tempfile.TemporaryDirectory(prefix="ddpbus-bench-") as tmp:
         out = Path(tmp) / "run"
         target = spec if Path(spec).is_absolute() else SPECS / spec
@@ -88,7 +90,8 @@ def ddpbus_run(spec: str, *args: str, workers: int = 2, env: dict[str, str] | No
                "run", f"{target}.py:spec", "--workers", str(workers), "--out", str(out),
                "--no-progress", *args]
         environ = {k: v for k, v in os.environ.items() if not k.startswith("DDPBUS_")}
-        quiet()
+        if settle:
+            quiet()
         cpu0 = children_cpu_s()
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp,  # noqa: S603
                               env=environ | (env or {}), check=False)
