@@ -522,14 +522,14 @@ class Trainer(threading.Thread):
                                     timeout=timeout, **kwargs)
             if msg.initial:
                 averaging.broadcast_from_root(self.flat)  # every replica starts from rank 0's
-        except Exception as exc:  # a member died while the group formed: the next session
+        except Exception:  # a member died while the group formed: the next session
             if store.reason:
                 self.abandoned_sessions += 1
                 log.warning("rank %d: forming session (rank %d of %d) abandoned: %s",
                             self.rank, msg.new_rank, msg.new_world_size, store.reason)
             else:
-                log.exception("rank %d: forming session (rank %d of %d) failed: %s",
-                              self.rank, msg.new_rank, msg.new_world_size, exc)
+                log.exception("rank %d: forming session (rank %d of %d) failed", self.rank,
+                              msg.new_rank, msg.new_world_size)
             self._leave_group()
             return
         finally:
