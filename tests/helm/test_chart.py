@@ -88,6 +88,12 @@ VALUE_SETS: dict[str, list[str]] = {
     "bundle-volume": ["worker.bundleClaim=bundles-rwx", "training.resume=old-job"],
     "wire-json": ["training.wireJson=true"],
     "broker-backend": ["training.backend=broker", "worker.gpu.enabled=false"],
+    "network-policy": ["networkPolicy.enabled=true", "coordinator.replicas=2",
+                       "networkPolicy.natsMonitorFrom[0].namespaceSelector.matchLabels"
+                       ".kubernetes\\.io/metadata\\.name=monitoring"],
+    "network-policy-existing-nats": ["networkPolicy.enabled=true", "nats.bundled=false",
+                                     "nats.url=nats://nats.infra:4222",
+                                     "auth.existing.secretPrefix=train-login"],
     "retention": ["coordinator.retention.compactEvery=30",
                   "coordinator.retention.keepHistory=0",
                   "coordinator.retention.streamMaxBytes=68719476736"],
@@ -419,3 +425,64 @@ def test_the_grafana_dashboard_configmap_carries_the_shipped_json(helm: Path) ->
     assert board["metadata"]["labels"]["team"] == "ml"
     shipped = (CHART / "dashboards" / "ddpbus.json").read_text()
     assert json.loads(board["data"]["ddpbus.json"]) == json.loads(shipped)
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _ports(spec: dict[str, Any]) -> set[str]:
+    return {p["name"] for c in spec["containers"] for p in c.get("ports", []) if "name" in p}
+
+
+@pytest.mark.parametrize("release", ["train", "ddpbus-exp1"])
+def test_network_policies_cover_every_pod_and_admit_only_what_it_talks_to(
+        helm: Path, release: str) -> None:
+    docs = render(helm, VALUE_SETS["network-policy"], release=release)
+    policies = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d["spec"]
+                for d in by_kind(docs, "NetworkPolicy")}
+    assert set(policies) == {"nats", "worker", "coordinator"}
+    pods = [(d["spec"]["template"]["metadata"]["labels"] if d["kind"] != "Pod"
+             else d["metadata"]["labels"], p) for d, p in pod_specs(docs)]
+    for labels, spec in pods:  # every pod but the test pod is under exactly one policy
+        under = [c for c, pol in policies.items() if _selects(pol["podSelector"], labels)]
+        expected = [] if labels["app.kubernetes.io/component"] == "test" else [
+            labels["app.kubernetes.io/component"]]
+        assert under == expected, (labels, under)
+        for c in under:  # the ports the policy admits are the pod's own, by name
+            admitted = {p["port"] for rule in policies[c]["ingress"]
+                        for p in rule.get("ports", [])}
+            assert admitted <= _ports(spec), (c, admitted, _ports(spec))
+        # every pod of the release may reach NATS's client port
+        client = policies["nats"]["ingress"][0]
+        assert client["ports"] == [{"port": "client", "protocol": "TCP"}]
+        assert _selects(client["from"][0]["podSelector"], labels)
+    # NATS's monitor port: only the peers named; a pod of another release: not a client
+    assert policies["nats"]["ingress"][1]["from"][0]["namespaceSelector"] == {
+        "matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    other = {"app.kubernetes.io/name": "ddpbus", "app.kubernetes.io/instance": "other"}
+    assert not _selects(policies["nats"]["ingress"][0]["from"][0]["podSelector"], other)
+    # the ranks: each other only, any port; the coordinator: its metrics port only
+    [ranks] = policies["worker"]["ingress"]
+    assert "ports" not in ranks
+    assert ranks["from"] == [{"podSelector": policies["worker"]["podSelector"]}]
+    [scrape] = policies["coordinator"]["ingress"]
+    assert scrape == {"from": [{"namespaceSelector": {}}],
+                      "ports": [{"port": "metrics", "protocol": "TCP"}]}
+
+
+def test_network_policies_follow_the_values(helm: Path) -> None:
+    assert not by_kind(render(helm, []), "NetworkPolicy")  # off by default
+    existing = by_kind(render(helm, VALUE_SETS["network-policy-existing-nats"]),
+                       "NetworkPolicy")
+    assert {d["metadata"]["labels"]["app.kubernetes.io/component"] for d in existing} == {
+        "worker", "coordinator"}  # no bundled server: no policy for it
+    closed = by_kind(render(helm, ["networkPolicy.enabled=true",
+                                   "networkPolicy.metricsFrom=null"]), "NetworkPolicy")
+    [coordinator] = [d for d in closed
+                     if d["metadata"]["labels"]["app.kubernetes.io/component"] == "coordinator"]
+    assert coordinator["spec"]["ingress"] == []  # nothing may reach it
+    bad = run(helm, "template", "t", str(CHART), "--set", "networkPolicy.enabled=true",
+              "--set", "networkPolicy.metricsFrom[0].cidr=10.0.0.0/8")
+    assert bad.returncode != 0
+    assert "metricsFrom" in bad.stderr, bad.stderr
