@@ -139,6 +139,7 @@ class WorkerAgent:
         self.resume_seq = 0  # this rank's consumer had acked this far: a restart
         self.reader: bus.StreamReader | None = None
         self._refusal = ""  # the coordinator's Reject reason, if it refused this rank
+        self._ended_unadmitted = False  # the run's Shutdown came before this rank's Accept
         self._bundles: list[concurrent.futures.Future[None]] = []  # bundle writes in flight
         self._bundle_lock: asyncio.Lock | None = None  # one at a time, in version order
         self._rounds: ObjectStore | None = None  # the broker backend's round bucket
@@ -264,8 +265,11 @@ class WorkerAgent:
         if accept is None:
             if self.watch.failure is not None:
                 return EXIT_FAILED
-            if NOT_JOINABLE in self._refusal and await self._run_ends_ok():
-                # a replacement (a pod its Job made) that came as the run was ending
+            if (NOT_JOINABLE in self._refusal or self._ended_unadmitted) and \
+                    await self._run_ends_ok():
+                # a replacement (a pod its Job made) that came as the run was ending: refused,
+                # or its Hello still unanswered at the Shutdown; the run ended well without
+                # it, so its Job succeeds (exit 2 would fail a finished workload)
                 log.info("rank %d: job %s ended without this incarnation: nothing to join",
                          s.rank, s.job)
                 return EXIT_OK
@@ -559,6 +563,7 @@ class WorkerAgent:
         elif isinstance(body, m.CoordHeartbeat):
             return
         elif isinstance(body, m.Shutdown | m.ShutdownWithSave) and self._waiting_admission():
+            self._ended_unadmitted = True
             self._admitted.set_exception(  # type: ignore[union-attr]
                 DdpbusError("the run ended before this rank was admitted"))
         elif self._waiting_admission():

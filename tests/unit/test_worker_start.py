@@ -8,6 +8,7 @@ import asyncio
 import logging
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,7 +16,10 @@ import torch
 import torch.distributed as dist
 from worker_harness import run_config, spec
 
+from ddpbus.codecs import Decoder, Encoder
 from ddpbus.codecs import messages as m
+from ddpbus.codecs import subjects as sj
+from ddpbus.codecs.errors import DdpbusError
 from ddpbus.orchestrator.core.session import NOT_JOINABLE
 from ddpbus.orchestrator.transport.auth import Access
 from ddpbus.worker_agent import checkpoint
@@ -190,3 +194,34 @@ async def test_a_rank_refused_as_the_run_ends_has_nothing_to_do(
     monkeypatch.setattr(start.agent, "_run_ends_ok", run_ends_ok)
     assert await start.run() == code
     assert asked == ([True] if NOT_JOINABLE in reason else [])  # no wait for other reasons
+
+
+@pytest.mark.parametrize(("ends_ok", "code"), [(True, EXIT_OK), (False, EXIT_REJECTED)])
+async def test_a_rank_whose_hello_the_runs_shutdown_overtook_has_nothing_to_do(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ends_ok: bool, code: int) -> None:
+    """A Job's replacement pod whose Rejoin was still unanswered when the run's Shutdown came
+    (read off its own consumer, the run already ended: the helm smoke run's kill saw it on
+    2026-12-08, the replacement 0.4 s late) exits 0 once the summary says the run ended well,
+    as a refused one does; exit 2 would fail the Job of a finished run."""
+    start = Start(tmp_path, monkeypatch, spec())
+    agent = start.agent
+    agent.decoder = Decoder(job="j", key=b"k" * 32, generation_floor=lambda _sender: 0)
+    agent._admitted = asyncio.get_running_loop().create_future()
+    subject = sj.CONTROL_ALL.subject("j")
+    out = Encoder(job="j", key=b"k" * 32, sender=sj.COORDINATOR, generation=1).encode(
+        subject, m.Shutdown())
+    await agent._on_control(SimpleNamespace(subject=subject, headers=out.headers,  # type: ignore[arg-type]
+                                            data=out.payload))
+    assert agent._ended_unadmitted
+    with pytest.raises(DdpbusError, match="the run ended before this rank was admitted"):
+        agent._admitted.result()
+
+    async def admission() -> m.Accept | None:
+        return None  # what _await_admission returns for that exception
+
+    async def run_ends_ok() -> bool:
+        return ends_ok
+
+    monkeypatch.setattr(agent, "_await_admission", admission)
+    monkeypatch.setattr(agent, "_run_ends_ok", run_ends_ok)
+    assert await start.run() == code
