@@ -46,6 +46,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from ddpbus.orchestrator.runtime.nats_server import BrokerConfig, EmbeddedBroker
 from ddpbus.orchestrator.transport.bus import connect
+from ddpbus.worker_agent.averaging import FlatModel, wire_numel
 
 TARGET_P50, TARGET_P99, TARGET_COLLECTIVE = 2.0, 4.0, 1.1
 HERE = Path(__file__).resolve().parent
@@ -101,14 +102,11 @@ def _stats(xs: list[float]) -> dict[str, float | int]:
 
 
 def _flat_numel() -> int:
-    """The wire buffer of tiny.py's model, as averaging.py all-reduces it: parameters and
-    floating-point buffers in one flat buffer, plus the mass and the mover count."""
+    """What an average of tiny.py's model all-reduces (averaging.wire_numel)."""
     sys.path.insert(0, str(HERE / "specs"))
     import tiny
 
-    model = tiny.spec.model()
-    return (sum(p.numel() for p in model.parameters())
-            + sum(b.numel() for b in model.buffers() if b.is_floating_point()) + 2)
+    return wire_numel(FlatModel(tiny.spec.model()))
 
 
 def bare_allreduce(numel: int, rounds: int = 300, period: float = 0.005) -> list[float]:

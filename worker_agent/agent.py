@@ -138,8 +138,9 @@ class WorkerAgent:
         self.dropped_before_accept = 0
         self.resume_seq = 0  # this rank's consumer had acked this far: a restart
         self.reader: bus.StreamReader | None = None
-        self._refusal = ""  # the coordinator's Reject reason, if it refused this rank
-        self._ended_unadmitted = False  # the run's Shutdown came before this rank's Accept
+        # the run was ending without this incarnation: refused as not joinable, or its
+        # Shutdown came before this rank's Accept
+        self._too_late = False
         self._bundles: list[concurrent.futures.Future[None]] = []  # bundle writes in flight
         self._bundle_lock: asyncio.Lock | None = None  # one at a time, in version order
         self._rounds: ObjectStore | None = None  # the broker backend's round bucket
@@ -179,7 +180,6 @@ class WorkerAgent:
         """The rendezvous store, opened on first use by the training thread."""
         if getattr(self, "_kv_store", None) is None:
             self._kv_store = NatsKVStore(self.settings.nats, self.settings.job,
-                                         timeout=timedelta(seconds=300),
                                          name=f"ddpbus-store-rank-{self.rank}")
         return self._kv_store
 
@@ -265,8 +265,7 @@ class WorkerAgent:
         if accept is None:
             if self.watch.failure is not None:
                 return EXIT_FAILED
-            if (NOT_JOINABLE in self._refusal or self._ended_unadmitted) and \
-                    await self._run_ends_ok():
+            if self._too_late and await self._run_ends_ok():
                 # a replacement (a pod its Job made) that came as the run was ending: refused,
                 # or its Hello still unanswered at the Shutdown; the run ended well without
                 # it, so its Job succeeds (exit 2 would fail a finished workload)
@@ -563,7 +562,7 @@ class WorkerAgent:
         elif isinstance(body, m.CoordHeartbeat):
             return
         elif isinstance(body, m.Shutdown | m.ShutdownWithSave) and self._waiting_admission():
-            self._ended_unadmitted = True
+            self._too_late = True
             self._admitted.set_exception(  # type: ignore[union-attr]
                 DdpbusError("the run ended before this rank was admitted"))
         elif self._waiting_admission():
@@ -589,7 +588,7 @@ class WorkerAgent:
                      body.generation)
             return
         if isinstance(body, m.Reject):
-            self._refusal = body.reason
+            self._too_late = NOT_JOINABLE in body.reason
             fut.set_exception(DdpbusError(f"rejected by the coordinator: {body.reason}"))
         else:
             fut.set_result(body)

@@ -126,6 +126,13 @@ class _Wire:
         self.buffer_numel = buffer_numel
 
 
+def wire_numel(flat: FlatModel) -> int:
+    """The elements an average all-reduces for ``flat`` (every group's wire buffer: the
+    parameters, the floating-point buffers and the mass and mover count)."""
+    flat.ensure_flat()
+    return sum(b.numel() for b in _wire(flat, flat.buffers()).buffers)
+
+
 def _wire(flat: FlatModel, buffers: list[torch.Tensor]) -> _Wire:
     numel = sum(b.numel() for b in buffers)
     wire: _Wire | None = getattr(flat, "_wire", None)

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from nats.js.errors import (
     KeyDeletedError,
@@ -48,6 +48,11 @@ _TRANSIENT = TRANSIENT_ERRORS  # a broker restart: set/get/check/wait are retrie
 """KV keys of the rendezvous: ``td.<base64url(torch key)>`` (torch keys may hold any text)."""
 
 
+# how long a rendezvous wait for a member's key lasts (the agent's NATS store, and a
+# forming session's waits over any store: Interruptible)
+STORE_TIMEOUT: Final = timedelta(seconds=300)
+
+
 class StoreTimeout(DdpbusError, TimeoutError):
     """A rendezvous key did not appear within the store's timeout."""
 
@@ -69,7 +74,7 @@ class NatsKVStore(Store):
     """A ``torch.distributed.Store`` backed by a NATS JetStream KV bucket."""
 
     def __init__(self, nats: str | Access, job: str, *,
-                 timeout: timedelta = timedelta(seconds=300), name: str = "ddpbus-store"
+                 timeout: timedelta = STORE_TIMEOUT, name: str = "ddpbus-store"
                  ) -> None:
         super().__init__()
         self._op_timeout = timeout  # Store.timeout has no setter; keep our own

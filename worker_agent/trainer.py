@@ -41,7 +41,7 @@ from ddpbus.orchestrator.core.coalesce import ReportBuffer
 from ddpbus.worker_agent import averaging, callbacks, checkpoint
 from ddpbus.worker_agent.callbacks import Outcome
 from ddpbus.worker_agent.data import BatchFetcher, Prefetcher, Stager, plan_indices
-from ddpbus.worker_agent.rendezvous import Interruptible
+from ddpbus.worker_agent.rendezvous import STORE_TIMEOUT, Interruptible
 from ddpbus.worker_agent.resources import ResourceProbe
 from ddpbus.worker_agent.spec import (
     AMP_DTYPES,
@@ -69,10 +69,6 @@ stream's store ack (per-batch reports only)."""
 # holds any must leave with os._exit (commands/worker.py), not through the interpreter's
 # finalization, which would free them
 GRAVEYARD: list[object] = []
-
-# how long a forming session waits in the store for a member's address (the agent's NATS
-# store's own timeout): a member declared dead meanwhile ends the wait at once instead
-STORE_TIMEOUT: Final = timedelta(seconds=300)
 
 
 def _forget_groups(graveyard: list[object]) -> None:

@@ -266,7 +266,7 @@ def run_rendered(docs: list[dict[str, Any]], url: str, secrets: Secrets,
                 if out.returncode == 0 and json.loads(out.stdout).get("rounds", 0) > 0:
                     break
                 assert time.monotonic() < deadline, out.stdout + out.stderr
-                time.sleep(0.2)
+                time.sleep(0.2)  # poll interval of a deadline-bound wait
             victim = procs.pop(f"worker-{kill}")
             victim.kill()
             assert victim.wait(30) == -signal.SIGKILL

@@ -184,7 +184,8 @@ async def test_a_rank_refused_as_the_run_ends_has_nothing_to_do(
     join now"): it exits 0 once the run's summary says it ended well (its Job completes
     instead of failing a finished run); any other refusal is one."""
     start = Start(tmp_path, monkeypatch, spec())
-    start.agent._refusal = reason
+    start.agent._admitted = asyncio.get_running_loop().create_future()
+    start.agent._on_admit(m.Reject(rank=0, generation=1, reason=reason))  # the coordinator's
     asked: list[bool] = []
 
     async def run_ends_ok() -> bool:
@@ -212,7 +213,7 @@ async def test_a_rank_whose_hello_the_runs_shutdown_overtook_has_nothing_to_do(
         subject, m.Shutdown())
     await agent._on_control(SimpleNamespace(subject=subject, headers=out.headers,  # type: ignore[arg-type]
                                             data=out.payload))
-    assert agent._ended_unadmitted
+    assert agent._too_late
     with pytest.raises(DdpbusError, match="the run ended before this rank was admitted"):
         agent._admitted.result()
 
